@@ -1,0 +1,1 @@
+//! ccw-style channel block device (being written).

@@ -1,0 +1,1 @@
+//! gvt-style GPU (being written).

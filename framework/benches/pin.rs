@@ -1,0 +1,2 @@
+//! Pin benchmarks (being written).
+fn main() {}

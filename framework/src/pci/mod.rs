@@ -1,0 +1,171 @@
+//! PCI plumbing: config space, BAR sizing, capability list, MSI/MSI-X, INTx.
+//!
+//! SKELETON — the public API below is the contract devices code against; the implementation
+//! is being written.
+//!
+//! A PCI device implements [`PciDevice`] (its BARs only) and is served through
+//! [`PciAdapter`], which implements [`crate::device::Device`]: config space (region 7), BAR
+//! sizing, command/status, the capability list with MSI and MSI-X (table and PBA emulated in
+//! a BAR), INTx, and the vfio-user IRQ indexes.
+
+use std::sync::Arc;
+
+use crate::device::{Device, DeviceError, DeviceInfo};
+use crate::dma::DmaHandle;
+use crate::irq::Interrupts;
+
+/// PCI identity of a device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PciIds {
+    /// Vendor ID.
+    pub vendor: u16,
+    /// Device ID.
+    pub device: u16,
+    /// Subsystem vendor ID.
+    pub subsystem_vendor: u16,
+    /// Subsystem ID.
+    pub subsystem: u16,
+    /// Class code (base class << 16 | subclass << 8 | prog-if).
+    pub class_code: u32,
+    /// Revision ID.
+    pub revision: u8,
+}
+
+/// Kind of a BAR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BarKind {
+    /// 32-bit memory BAR.
+    Mmio32,
+    /// 64-bit memory BAR (takes this slot and the next).
+    Mmio64,
+    /// I/O port BAR.
+    Io,
+}
+
+/// One BAR a device declares.
+#[derive(Clone, Debug)]
+pub struct BarSpec {
+    /// BAR slot 0..=5.
+    pub index: usize,
+    /// Size in bytes: a power of two (≥ 16 for memory, ≥ 4 for I/O).
+    pub size: u64,
+    /// Memory or I/O, 32 or 64 bit.
+    pub kind: BarKind,
+    /// Prefetchable (memory BARs only).
+    pub prefetchable: bool,
+    /// Backed by shared memory the client may mmap directly (the whole BAR is one sparse
+    /// mmap area); accesses that still arrive by message go to that memory, not the device.
+    pub shared: Option<Arc<SharedMemory>>,
+}
+
+/// MSI-X placement.
+#[derive(Clone, Copy, Debug)]
+pub struct MsixSpec {
+    /// Number of vectors (1..=2048).
+    pub vectors: u16,
+    /// BAR holding the table; the table and PBA are emulated by the framework.
+    pub table_bar: usize,
+    /// Offset of the table in that BAR.
+    pub table_offset: u64,
+    /// BAR holding the PBA.
+    pub pba_bar: usize,
+    /// Offset of the PBA in that BAR.
+    pub pba_offset: u64,
+}
+
+/// Everything the framework needs to build config space for a device.
+#[derive(Clone, Debug, Default)]
+pub struct PciConfig {
+    /// Identity.
+    pub ids: PciIds,
+    /// BARs.
+    pub bars: Vec<BarSpec>,
+    /// Offer legacy INTx (pin A).
+    pub intx: bool,
+    /// Number of MSI vectors (0 = no MSI capability; otherwise a power of two ≤ 32).
+    pub msi_vectors: u16,
+    /// MSI-X capability, if any.
+    pub msix: Option<MsixSpec>,
+}
+
+/// Memory shared with the client (a memfd), mapped in this process too.
+#[derive(Debug)]
+pub struct SharedMemory {
+    _private: (),
+}
+
+impl SharedMemory {
+    /// Create `size` bytes (rounded up to the page size) of zeroed shared memory.
+    pub fn new(_name: &str, _size: u64) -> std::io::Result<SharedMemory> {
+        todo!("pci: SharedMemory::new")
+    }
+}
+
+/// What a PCI device implements: its BARs and lifecycle. Config space is the framework's.
+pub trait PciDevice: Send {
+    /// Identity, BARs and interrupt capabilities. Called once when the adapter is built.
+    fn config(&self) -> PciConfig;
+
+    /// Guest read of a trapped BAR (not shared-memory, not the MSI-X table/PBA).
+    /// Unimplemented registers should read as zero.
+    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]);
+
+    /// Guest write to a trapped BAR. Any value may arrive; never panic.
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]);
+
+    /// Called once with the handles the device keeps (and may give to worker threads).
+    fn attach(&mut self, _dma: DmaHandle, _irq: Interrupts) {}
+
+    /// Device reset (DEVICE_RESET or FLR): drop pins, stop work, clear registers.
+    fn reset(&mut self) {}
+
+    /// DMA unmap notifier: drop every pin in `[iova, iova + size)` before returning.
+    fn dma_unmap(&mut self, _iova: u64, _size: u64) {}
+
+    /// The client went away; device state is kept.
+    fn disconnected(&mut self) {}
+}
+
+/// Serves a [`PciDevice`] as a vfio-user [`Device`].
+pub struct PciAdapter<D: PciDevice> {
+    _dev: D,
+}
+
+impl<D: PciDevice> PciAdapter<D> {
+    /// Wrap a device; validates its [`PciConfig`] (BAR sizes and slots, MSI-X placement).
+    pub fn new(_dev: D) -> Result<PciAdapter<D>, DeviceError> {
+        todo!("pci: PciAdapter::new")
+    }
+
+    /// The wrapped device.
+    pub fn device(&self) -> &D {
+        &self._dev
+    }
+
+    /// The wrapped device, mutably.
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self._dev
+    }
+}
+
+impl<D: PciDevice> Device for PciAdapter<D> {
+    fn info(&self) -> DeviceInfo {
+        todo!("pci: info")
+    }
+    fn region_read(
+        &mut self,
+        _region: u32,
+        _offset: u64,
+        _data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        todo!("pci: region_read")
+    }
+    fn region_write(
+        &mut self,
+        _region: u32,
+        _offset: u64,
+        _data: &[u8],
+    ) -> Result<(), DeviceError> {
+        todo!("pci: region_write")
+    }
+}

@@ -1,0 +1,3 @@
+//! vfio-user wire types: encode/decode with validation. No I/O here.
+//!
+//! SKELETON — being written.
