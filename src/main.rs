@@ -1,5 +1,62 @@
-//! The `umdev` command line.
-fn main() {
-    eprintln!("umdev: being written");
-    std::process::exit(2);
+//! The `umdev` command line: serve an example device, demo it without QEMU, or benchmark.
+
+mod bench;
+mod demo;
+mod run;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// umdev: user-space mediated devices served over vfio-user.
+#[derive(Parser, Debug)]
+#[command(name = "umdev", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
 }
+
+/// Which example device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// gvt-style GPU: registers, GTT, command ring, framebuffer.
+    Gpu,
+    /// ccw-style channel block device backed by an image file.
+    Ccw,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve an example device on a vfio-user socket until Ctrl-C.
+    Run(run::RunArgs),
+    /// Start a device and drive it with an embedded client (no QEMU needed).
+    Demo(demo::DemoArgs),
+    /// Benchmarks: pin patterns, dma_rw, wire round trips.
+    Bench(bench::BenchArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result: CliResult = match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("umdev: {e}");
+        let mut source = e.source();
+        while let Some(s) = source {
+            eprintln!("  caused by: {s}");
+            source = s.source();
+        }
+        std::process::exit(1);
+    }
+}
+
+/// Errors of the CLI: a message and an optional cause.
+pub type CliResult = Result<(), Box<dyn std::error::Error>>;

@@ -132,7 +132,13 @@ pub struct DmaStats {
     pub locked_pages: u64,
     /// Pins found at unmap time and force-released (device bugs).
     pub leaked_pins_released: u64,
+    /// Residency syscalls issued so far (mlock/munlock/madvise), for benchmarks.
+    pub residency_syscalls: u64,
 }
+
+/// Observer of every successful `pin_pages` call (the array as the device passed it), used by
+/// `umdev run --record-pins` to capture real pin patterns.
+pub type PinRecorder = Arc<dyn Fn(&[u64], Prot) + Send + Sync>;
 
 /// What an unmap did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -215,6 +221,11 @@ impl DmaSpace {
     pub fn stats(&self) -> DmaStats {
         todo!("dma: stats")
     }
+
+    /// Install or remove the pin recorder.
+    pub fn set_pin_recorder(&self, _recorder: Option<PinRecorder>) {
+        todo!("dma: set_pin_recorder")
+    }
 }
 
 /// A device's handle to DMA: cheap to clone, `Send + Sync`, usable from worker threads.
@@ -253,5 +264,33 @@ impl DmaHandle {
     /// Counters of the underlying space.
     pub fn stats(&self) -> DmaStats {
         self._space.stats()
+    }
+
+    /// The per-page reference path (no coalescing): same semantics and accounting as
+    /// `pin_pages`/`unpin_pages`; the baseline for property tests and benchmarks.
+    pub fn naive(&self) -> NaiveDma<'_> {
+        NaiveDma { _handle: self }
+    }
+}
+
+/// The per-page reference implementation of pinning (see [`DmaHandle::naive`]).
+pub struct NaiveDma<'a> {
+    _handle: &'a DmaHandle,
+}
+
+impl NaiveDma<'_> {
+    /// Per-page `pin_pages`: one lookup, check and residency operation per page.
+    pub fn pin_pages(
+        &self,
+        _iova_pfns: &[u64],
+        _prot: Prot,
+        _host_addrs: &mut [u64],
+    ) -> Result<(), DmaError> {
+        todo!("dma: naive pin_pages")
+    }
+
+    /// Per-page `unpin_pages`.
+    pub fn unpin_pages(&self, _iova_pfns: &[u64]) -> Result<(), DmaError> {
+        todo!("dma: naive unpin_pages")
     }
 }
