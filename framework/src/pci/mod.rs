@@ -52,6 +52,13 @@ mod msix;
 mod shared_memory;
 mod validate;
 
+#[cfg(test)]
+mod adapter_config_tests;
+#[cfg(test)]
+mod adapter_irq_tests;
+#[cfg(test)]
+mod test_device;
+
 use std::sync::Arc;
 
 use crate::dma::DmaHandle;
