@@ -26,8 +26,22 @@ impl ClientDma {
 
     fn fail(&self, op: &str, iova: u64, len: usize, e: RequestError) -> DmaError {
         warn!(iova = format_args!("{iova:#x}"), len, error = %e, "{op} to the client failed");
-        // The DMA layer's error type has no "remote" variant (yet): report the address.
-        DmaError::NotMapped { iova }
+        match e {
+            RequestError::Disconnected => DmaError::Disconnected,
+            RequestError::Busy => DmaError::Busy("too many server-to-client requests in flight"),
+            RequestError::Errno(errno) => DmaError::Remote {
+                iova,
+                errno: if errno == 0 { libc::EIO } else { errno as i32 },
+            },
+            RequestError::Timeout(_) => DmaError::Remote {
+                iova,
+                errno: libc::ETIMEDOUT,
+            },
+            RequestError::BadReply(_) => DmaError::Remote {
+                iova,
+                errno: libc::EPROTO,
+            },
+        }
     }
 
     /// DMA_READ `buf.len()` bytes at `iova`, in chunks.
