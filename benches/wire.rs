@@ -64,12 +64,22 @@ impl Device for Regs {
         }
     }
 
-    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
         self.read(region, offset, data);
         Ok(())
     }
 
-    fn region_write(&mut self, _region: u32, _offset: u64, _data: &[u8]) -> Result<(), DeviceError> {
+    fn region_write(
+        &mut self,
+        _region: u32,
+        _offset: u64,
+        _data: &[u8],
+    ) -> Result<(), DeviceError> {
         Ok(())
     }
 }

@@ -100,11 +100,19 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
     )
 }
 
+/// A command read by a requester, waiting for the connection thread (kept in arrival
+/// order, invalid ones included, so replies and error replies go out in order).
+#[derive(Debug)]
+enum Backlogged {
+    Command(Incoming),
+    Invalid(Header, ProtocolError),
+}
+
 /// The read side of the main socket.
 #[derive(Debug)]
 pub struct ReadSide {
     stream: UnixStream,
-    backlog: VecDeque<Incoming>,
+    backlog: VecDeque<Backlogged>,
     eof: bool,
 }
 
@@ -240,8 +248,15 @@ impl Channel {
     pub fn next_command(&self) -> Option<Incoming> {
         loop {
             let mut rs = lock(&self.reader);
-            if let Some(m) = rs.backlog.pop_front() {
-                return Some(m);
+            match rs.backlog.pop_front() {
+                Some(Backlogged::Command(m)) => return Some(m),
+                Some(Backlogged::Invalid(h, e)) => {
+                    drop(rs);
+                    warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
+                    self.send_error(&h, e.errno());
+                    continue;
+                }
+                None => {}
             }
             if rs.eof {
                 return None;
@@ -287,14 +302,13 @@ impl Channel {
         }
         match read_one(&rs.stream, self.max_message) {
             ReadResult::Message(m, MessageType::Reply) => self.route_reply(m),
-            ReadResult::Message(m, MessageType::Command) => rs.backlog.push_back(m),
-            ReadResult::Invalid(h, e) => {
-                warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
-                self.send_error(&h, e.errno());
+            ReadResult::Message(m, MessageType::Command) => {
+                rs.backlog.push_back(Backlogged::Command(m))
             }
+            ReadResult::Invalid(h, e) => rs.backlog.push_back(Backlogged::Invalid(h, e)),
             ReadResult::Corrupt(h, e) => {
                 rs.eof = true;
-                self.send_error(&h, e.errno());
+                rs.backlog.push_back(Backlogged::Invalid(h, e));
             }
             ReadResult::Eof => rs.eof = true,
         }
