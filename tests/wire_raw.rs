@@ -160,6 +160,32 @@ fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
 }
 
 #[test]
+fn test_raw_fdless_dma_qemu_client_gets_qemu_layout() {
+    let ts = TestServer::start();
+    let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    mem.qemu_layout = true;
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        handle.write(0x40_0100, b"qemu layout")?;
+        let mut buf = [0u8; 24];
+        handle.read(0x40_00f8, &mut buf).map(|_| buf)
+    });
+    while mem.reads < 1 {
+        let m = c.recv();
+        assert!(
+            RawClient::serve_on(&c.stream, &m, &mut mem),
+            "unexpected message"
+        );
+    }
+    let buf = worker.join().unwrap().expect("worker DMA");
+    assert_eq!(&mem.bytes[0x100..0x10b], b"qemu layout");
+    assert_eq!(&buf[8..19], b"qemu layout");
+    assert_eq!(buf[..8].to_vec(), mem.bytes[0xf8..0x100].to_vec());
+}
+
+#[test]
 fn test_raw_fdless_dma_client_error_reaches_device() {
     let ts = TestServer::start();
     let mut c = RawClient::new_default(&ts.path);

@@ -12,6 +12,7 @@ use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
 use crate::device::{Device, DeviceInfo};
 use crate::dma::DmaSpace;
+use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{negotiate, Version};
 use crate::protocol::{decode_request, Command, Header, Limits, Request, HEADER_SIZE};
 
@@ -215,8 +216,16 @@ impl Connection {
             .send(reply.finish(hdr), &fds)
             .map_err(|e| ServerError::io("sending the VERSION reply", e))?;
         drop(twin_client);
+        let layout =
+            self.config
+                .dma_rw_layout
+                .unwrap_or(if v.caps.migration_max_bitmap_size.is_some() {
+                    DmaRwLayout::Qemu
+                } else {
+                    DmaRwLayout::Spec
+                });
         self.dma
-            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone()))));
+            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
         self.negotiated = true;
         info!(
             client_minor = v.minor,
@@ -224,6 +233,7 @@ impl Connection {
             max_dma_maps = n.max_dma_maps,
             write_multiple = n.write_multiple,
             twin_socket = n.twin_socket,
+            dma_rw_layout = ?layout,
             "version negotiated"
         );
         Ok(None)
