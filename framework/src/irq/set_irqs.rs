@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use crate::device::{irq_index, DeviceError, IrqAction, IrqData, SetIrqs};
 
+use super::eventfd_check::check_eventfd;
 use super::state::IrqState;
 use super::vector_set::MaskSource;
 
@@ -62,6 +63,12 @@ impl IrqState {
                 "IRQ index {index}: {} data entries for {count} vectors",
                 data_len.unwrap_or(0)
             )));
+        }
+        if let IrqData::Eventfd(fds) = &data {
+            // All-or-nothing: check every fd before attaching any.
+            for fd in fds.iter().flatten() {
+                check_eventfd(fd)?;
+            }
         }
         let selected: Vec<u32> = match &data {
             IrqData::None => (start..end).collect(),
