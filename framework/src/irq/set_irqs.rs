@@ -16,6 +16,7 @@ use crate::device::{irq_index, DeviceError, IrqAction, IrqData, SetIrqs};
 use super::eventfd_check::check_eventfd;
 use super::state::IrqState;
 use super::vector_set::MaskSource;
+use super::IrqMode;
 
 fn invalid(msg: String) -> DeviceError {
     tracing::warn!("SET_IRQS: {msg}");
@@ -42,6 +43,7 @@ impl IrqState {
             self.eventfds.clear_index(index);
             if index == irq_index::INTX {
                 self.clear_intx_resample();
+                self.intx.clear_mask();
             }
             return Ok(());
         }
@@ -84,6 +86,10 @@ impl IrqState {
                 for (vector, fd) in (start..end).zip(fds) {
                     tracing::debug!(index, vector, attach = fd.is_some(), "SET_IRQS eventfd");
                     self.eventfds.set(index, vector, fd);
+                }
+                if index == irq_index::INTX && self.mode() == IrqMode::Intx {
+                    // A trigger nobody heard is still pending (level semantics).
+                    self.intx.retry(|| self.send_intx());
                 }
                 Ok(())
             }
