@@ -316,6 +316,25 @@ fn test_fence_raises_intx_eventfd_without_msi() {
 }
 
 #[test]
+fn test_intx_fires_again_after_ack_and_unmask() {
+    let mut rig = Rig::new(PinPolicy::Translate);
+    let efd = rig.irq_eventfd(irq_index::INTX);
+    rig.drv.enable_irqs(IRQ_FENCE).unwrap();
+    rig.run_fenced(&[], 1);
+    assert!(wait_eventfd(&efd, Duration::from_secs(5)));
+    // Automasked: a second fence before the unmask does not fire yet.
+    rig.run_fenced(&[], 2);
+    assert!(!wait_eventfd(&efd, Duration::from_millis(20)));
+    // Handler acks everything, VMM unmasks: the line was lowered, nothing fires.
+    rig.drv.ack(IRQ_FENCE).unwrap();
+    rig.unmask(irq_index::INTX);
+    assert!(!wait_eventfd(&efd, Duration::from_millis(20)));
+    // The next fence fires.
+    rig.run_fenced(&[], 3);
+    assert!(wait_eventfd(&efd, Duration::from_secs(5)));
+}
+
+#[test]
 fn test_fence_with_irq_disabled_sets_status_without_eventfd() {
     let mut rig = Rig::new(PinPolicy::Translate);
     rig.enable_msix();

@@ -194,6 +194,7 @@ impl Gpu {
             Ok(WriteEffect::None) => {}
             Ok(WriteEffect::RingStopped) => self.shared.idle.notify_all(),
             Ok(WriteEffect::Raise) => self.shared.raise(),
+            Ok(WriteEffect::Lower) => lock(&self.shared.irq).lower_intx(),
             Ok(WriteEffect::Doorbell) => match &self.worker {
                 Some(w) => w.doorbell(),
                 None => {
@@ -332,6 +333,7 @@ impl PciDevice for Gpu {
     fn reset(&mut self) {
         lock(&self.shared.regs).reset();
         self.shared.idle.notify_all();
+        lock(&self.shared.irq).lower_intx();
         let pfns = {
             let mut g = lock(&self.shared.gtt);
             let pfns = g.take_all_pins();
@@ -370,6 +372,8 @@ enum WriteEffect {
     None,
     Doorbell,
     Raise,
+    /// No enabled cause is pending any more: lower the INTx line.
+    Lower,
     RingStopped,
 }
 
@@ -436,8 +440,16 @@ fn apply_reg_write(r: &mut Regs, fb_size: u64, off: u64, val: u32) -> Result<Wri
             if r.irq_status & r.irq_enable & !old != 0 {
                 return Ok(WriteEffect::Raise);
             }
+            if r.irq_status & r.irq_enable == 0 {
+                return Ok(WriteEffect::Lower);
+            }
         }
-        REG_IRQ_ACK => r.ack(val & IRQ_ALL),
+        REG_IRQ_ACK => {
+            r.ack(val & IRQ_ALL);
+            if r.irq_status & r.irq_enable == 0 {
+                return Ok(WriteEffect::Lower);
+            }
+        }
         _ => tracing::debug!(off, val, "gpu: write to read-only or unknown register"),
     }
     Ok(WriteEffect::None)

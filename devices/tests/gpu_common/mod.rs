@@ -238,6 +238,20 @@ impl Rig {
         let stats = self.space.stats();
         assert_eq!(stats.pinned_pages, 0, "{stats:?}");
         assert_eq!(stats.locked_pages, 0, "{stats:?}");
+        self.space.check_invariants().unwrap();
+    }
+
+    /// SET_IRQS unmask (no data) of vector 0 of `index`.
+    pub fn unmask(&mut self, index: u32) {
+        self.adapter()
+            .set_irqs(SetIrqs {
+                index,
+                start: 0,
+                count: 1,
+                action: IrqAction::Unmask,
+                data: IrqData::None,
+            })
+            .unwrap();
     }
 
     /// `(ERROR_CODE, ERROR_INFO)` then ack the error.
