@@ -8,13 +8,15 @@
 //! entry is rewritten, the device is reset, the client disconnects, or the client unmaps
 //! the page (unmap notifier).
 //!
-//! Locking: the worker never calls into the DMA layer while holding the GTT lock (it pins
-//! unlocked and installs the pins only if no invalidation happened meanwhile, tracked by
-//! an epoch counter). It holds the lock while it copies pixels from pinned pages, so an
-//! invalidation (which takes the lock) waits for the copy and no pinned page is touched
-//! after its pin is dropped.
+//! Locking: the worker never calls `pin_pages` while holding the GTT lock (it pins unlocked
+//! and installs the pins only if no invalidation happened meanwhile, tracked by an epoch
+//! counter; stale pins are released). It holds the lock while it copies pixels from pinned
+//! pages, so an invalidation (which takes the lock) waits for the copy and no pinned page is
+//! touched after its pin is dropped. The unmap notifier, reset and disconnect also wait for
+//! pin calls in flight ([`GttCell::quiesce`]): when they return, the device holds no DMA pin
+//! that is not in the table.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 use umdev::dma::{DmaHandle, Prot, PAGE_SHIFT, PAGE_SIZE};
 
@@ -43,6 +45,8 @@ pub struct Gtt {
     pins: Vec<Option<Pin>>,
     pinned: usize,
     epoch: u64,
+    /// `pin_pages` calls in flight (worker), not yet installed or released.
+    pinning: u32,
 }
 
 /// Lock a mutex, tolerating poisoning (a panicked holder must not take the device down).
@@ -73,6 +77,7 @@ impl Gtt {
             pins: vec![None; n as usize],
             pinned: 0,
             epoch: 0,
+            pinning: 0,
         }
     }
 
@@ -123,9 +128,7 @@ impl Gtt {
                 out.extend(self.take_pin(i));
             }
         }
-        if !out.is_empty() {
-            self.epoch = self.epoch.wrapping_add(1);
-        }
+        self.epoch = self.epoch.wrapping_add(1);
         out
     }
 
@@ -166,69 +169,111 @@ impl Gtt {
     }
 }
 
-/// Pin (if needed) GTT entries `start..start+count` and return them locked, ready for pixel
-/// copies. `write` asks for write access (READBACK).
-pub fn acquire<'a>(
-    gtt: &'a Mutex<Gtt>,
-    dma: &DmaHandle,
-    start: u32,
-    count: u32,
-    write: bool,
-) -> Result<PinnedSurface<'a>, GpuError> {
-    let prot = if write { Prot::RW } else { Prot::READ };
-    for _ in 0..PIN_RETRIES {
-        let guard = lock(gtt);
-        let missing = guard.missing(start, count, write)?;
-        if missing.is_empty() {
-            return Ok(PinnedSurface {
-                guard,
-                start: start as usize,
-                count: count as usize,
-            });
-        }
-        let epoch = guard.epoch;
-        drop(guard);
+/// The GTT behind its lock, with a condition variable for pin calls in flight.
+#[derive(Debug)]
+pub struct GttCell {
+    gtt: Mutex<Gtt>,
+    pins_done: Condvar,
+}
 
-        let pfns: Vec<u64> = missing.iter().map(|&(_, pfn)| pfn).collect();
-        let mut hosts = vec![0u64; pfns.len()];
-        dma.pin_pages(&pfns, prot, &mut hosts)
-            .map_err(|source| GpuError::GttFault {
-                start,
-                end: start.saturating_add(count),
-                source,
-            })?;
-
-        let mut guard = lock(gtt);
-        if guard.epoch != epoch {
-            // Something was invalidated while we pinned: our view may be stale.
-            drop(guard);
-            release(Some(dma), &pfns);
-            continue;
+impl GttCell {
+    /// `n` invalid entries.
+    pub fn new(n: u32) -> GttCell {
+        GttCell {
+            gtt: Mutex::new(Gtt::new(n)),
+            pins_done: Condvar::new(),
         }
-        let mut replaced = Vec::new();
-        for (&(i, pfn), &host) in missing.iter().zip(&hosts) {
-            let pin = Pin {
-                pfn,
-                host,
-                writable: write,
-            };
-            match guard.pins[i].replace(pin) {
-                Some(old) => replaced.push(old.pfn),
-                None => guard.pinned += 1,
-            }
-        }
-        drop(guard);
-        // Read-only pins upgraded to read-write: release the old ones; the next round finds
-        // everything pinned.
-        release(Some(dma), &replaced);
     }
-    Err(GpuError::GttFault {
-        start,
-        end: start.saturating_add(count),
-        source: umdev::dma::DmaError::NotMapped {
+
+    /// Lock the table.
+    pub fn lock(&self) -> MutexGuard<'_, Gtt> {
+        lock(&self.gtt)
+    }
+
+    /// Invalidate pin calls in flight and wait until they have been released; returns the
+    /// table locked, with no pin call in flight.
+    pub fn quiesce(&self) -> MutexGuard<'_, Gtt> {
+        let mut g = self.lock();
+        g.epoch = g.epoch.wrapping_add(1);
+        while g.pinning > 0 {
+            g = match self.pins_done.wait(g) {
+                Ok(g) => g,
+                Err(e) => e.into_inner(),
+            };
+        }
+        g
+    }
+
+    /// Pin (if needed) GTT entries `start..start+count` and return them locked, ready for
+    /// pixel copies. `write` asks for write access (READBACK).
+    pub fn acquire<'a>(
+        &'a self,
+        dma: &DmaHandle,
+        start: u32,
+        count: u32,
+        write: bool,
+    ) -> Result<PinnedSurface<'a>, GpuError> {
+        let prot = if write { Prot::RW } else { Prot::READ };
+        let fault = |source| GpuError::GttFault {
+            start,
+            end: start.saturating_add(count),
+            source,
+        };
+        for _ in 0..PIN_RETRIES {
+            let mut guard = self.lock();
+            let missing = guard.missing(start, count, write)?;
+            if missing.is_empty() {
+                return Ok(PinnedSurface {
+                    guard,
+                    start: start as usize,
+                    count: count as usize,
+                });
+            }
+            let epoch = guard.epoch;
+            guard.pinning += 1;
+            drop(guard);
+
+            let pfns: Vec<u64> = missing.iter().map(|&(_, pfn)| pfn).collect();
+            let mut hosts = vec![0u64; pfns.len()];
+            let result = dma.pin_pages(&pfns, prot, &mut hosts);
+
+            let mut guard = self.lock();
+            let stale = guard.epoch != epoch;
+            let mut to_release = Vec::new();
+            if result.is_ok() {
+                if stale {
+                    // Something was invalidated while we pinned: our view may be stale.
+                    to_release.clone_from(&pfns);
+                } else {
+                    for (&(i, pfn), &host) in missing.iter().zip(&hosts) {
+                        let pin = Pin {
+                            pfn,
+                            host,
+                            writable: write,
+                        };
+                        match guard.pins[i].replace(pin) {
+                            // A read-only pin upgraded to read-write.
+                            Some(old) => to_release.push(old.pfn),
+                            None => guard.pinned += 1,
+                        }
+                    }
+                }
+            }
+            if !to_release.is_empty() {
+                drop(guard);
+                release(Some(dma), &to_release);
+                guard = self.lock();
+            }
+            guard.pinning -= 1;
+            self.pins_done.notify_all();
+            drop(guard);
+            result.map_err(fault)?;
+            // Next round: everything is pinned (or re-validate after an invalidation).
+        }
+        Err(fault(umdev::dma::DmaError::NotMapped {
             iova: u64::from(start) << PAGE_SHIFT,
-        },
-    })
+        }))
+    }
 }
 
 /// GTT entries `start..start+count`, all pinned, with the GTT lock held.

@@ -45,7 +45,7 @@ pub use png_dump::PngError;
 pub use regs::Mode;
 
 use error::{ERR_BAD_TAIL, ERR_MODE_INVALID, ERR_RING_CONFIG, ERR_RING_FAULT};
-use gtt::{lock, Gtt};
+use gtt::{lock, GttCell};
 use regs::*;
 use state::Shared;
 use worker::Worker;
@@ -101,7 +101,7 @@ impl Gpu {
         let shared = Arc::new(Shared {
             regs: Mutex::new(Regs::default()),
             idle: Condvar::new(),
-            gtt: Mutex::new(Gtt::new(GTT_ENTRIES)),
+            gtt: GttCell::new(GTT_ENTRIES),
             fb: Framebuffer::new(mem),
             irq: Mutex::new(Interrupts::default()),
         });
@@ -115,7 +115,7 @@ impl Gpu {
 
     /// Number of GTT entries currently holding a pin.
     pub fn pins_held(&self) -> usize {
-        lock(&self.shared.gtt).pins_held()
+        self.shared.gtt.lock().pins_held()
     }
 
     /// The framebuffer (BAR2).
@@ -153,7 +153,7 @@ impl Gpu {
     }
 
     fn release_all_pins(&self) {
-        let pfns = lock(&self.shared.gtt).take_all_pins();
+        let pfns = self.shared.gtt.quiesce().take_all_pins();
         gtt::release(self.dma.as_ref(), &pfns);
     }
 
@@ -209,7 +209,7 @@ impl Gpu {
     }
 
     fn write_gtt(&mut self, index: u32, value: u64) {
-        let dropped = lock(&self.shared.gtt).set_entry(index, value);
+        let dropped = self.shared.gtt.lock().set_entry(index, value);
         if let Some(pfn) = dropped {
             gtt::release(self.dma.as_ref(), &[pfn]);
         }
@@ -240,7 +240,7 @@ impl Gpu {
     fn read_unit(&self, unit: u64, unit_len: u64) -> u64 {
         if unit_len == 8 {
             let index = ((unit - GTT_BASE) / 8) as u32;
-            lock(&self.shared.gtt).entry(index)
+            self.shared.gtt.lock().entry(index)
         } else {
             u64::from(self.read_reg(unit))
         }
@@ -335,7 +335,7 @@ impl PciDevice for Gpu {
         self.shared.idle.notify_all();
         lock(&self.shared.irq).lower_intx();
         let pfns = {
-            let mut g = lock(&self.shared.gtt);
+            let mut g = self.shared.gtt.quiesce();
             let pfns = g.take_all_pins();
             g.clear_entries();
             pfns
@@ -350,7 +350,7 @@ impl PciDevice for Gpu {
         }
         let first = iova >> PAGE_SHIFT;
         let last = iova.saturating_add(size - 1) >> PAGE_SHIFT;
-        let pfns = lock(&self.shared.gtt).take_pins_in(first, last);
+        let pfns = self.shared.gtt.quiesce().take_pins_in(first, last);
         tracing::debug!(iova, size, released = pfns.len(), "gpu: dma unmap");
         gtt::release(self.dma.as_ref(), &pfns);
     }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use umdev::irq::Interrupts;
 
 use super::framebuffer::Framebuffer;
-use super::gtt::{lock, Gtt};
+use super::gtt::{lock, GttCell};
 use super::regs::Regs;
 
 /// Everything both threads touch. No thread holds two of these locks at once, and the worker
@@ -19,7 +19,7 @@ pub struct Shared {
     /// Signalled whenever the ring head moves or the ring is reset.
     pub idle: Condvar,
     /// GTT entries and pins.
-    pub gtt: Mutex<Gtt>,
+    pub gtt: GttCell,
     /// BAR2.
     pub fb: Framebuffer,
     /// The interrupt handle (replaced at attach).

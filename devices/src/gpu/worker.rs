@@ -10,7 +10,7 @@ use umdev::dma::DmaHandle;
 
 use super::commands::{Command, DecodeError};
 use super::error::{GpuError, ERR_RING_FAULT};
-use super::gtt::{self, lock};
+use super::gtt::lock;
 use super::regs::IRQ_FENCE;
 use super::render;
 use super::ring;
@@ -188,7 +188,10 @@ impl Ctx {
                 render::check_rect(&mode, dst_x, dst_y, w, h)?;
                 let pages = render::surface_pages(stride, w, h)?;
                 if pages > 0 {
-                    let src = gtt::acquire(&self.shared.gtt, &self.dma, gtt_index, pages, false)?;
+                    let src = self
+                        .shared
+                        .gtt
+                        .acquire(&self.dma, gtt_index, pages, false)?;
                     render::blit(fb, &mode, &src, stride, (w, h), (dst_x, dst_y))?;
                 }
             }
@@ -203,7 +206,7 @@ impl Ctx {
                 render::check_rect(&mode, src_x, src_y, w, h)?;
                 let pages = render::surface_pages(stride, w, h)?;
                 if pages > 0 {
-                    let dst = gtt::acquire(&self.shared.gtt, &self.dma, gtt_index, pages, true)?;
+                    let dst = self.shared.gtt.acquire(&self.dma, gtt_index, pages, true)?;
                     render::readback(fb, &mode, (src_x, src_y), (w, h), &dst, stride)?;
                 }
             }
