@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use ccw_support::*;
 use proptest::prelude::*;
 use umdev::device::{region_index, Device};
-use umdev_devices::ccw::driver::{self, regs, CcwWord, OperationBlock};
+use umdev_devices::ccw::driver::{self, regs, CcwWord, Fault, OperationBlock};
 
 /// Poll until the device is idle.
 fn wait_idle(rig: &mut Rig) {
@@ -65,7 +65,8 @@ fn test_ccw_reset_clears_registers_and_pins() {
     assert_eq!(rig.reg(regs::LAST_STATUS), 0);
     assert_eq!(rig.reg(regs::IRQ_STATUS), 0);
     rig.assert_no_pins();
-    // Still usable after reset.
+    // Still usable after reset, once the guest re-enables MSI (reset cleared it).
+    rig.enable_irq(false);
     assert!(rig.run(&[CcwWord::nop()], 0).is_ok());
 }
 
@@ -152,6 +153,16 @@ fn test_ccw_unmap_during_program_leaves_no_pins() {
         .unwrap();
     assert_eq!(report.leftover_pins, 0);
     wait_idle(&mut rig);
+    let (_, _, fault) = driver::decode_last_status(rig.reg(regs::LAST_STATUS));
+    eprintln!("program outcome under concurrent unmap: {fault:?}");
+    assert!(
+        matches!(
+            fault,
+            Some(Fault::None | Fault::Aborted | Fault::DataAddressInvalid | Fault::CcwUnreadable)
+                | Some(Fault::OpBlockUnreadable | Fault::StatusBlockInvalid)
+        ),
+        "{fault:?}"
+    );
     rig.assert_no_pins();
     assert_eq!(rig.space.stats().leaked_pins_released, 0);
 }
@@ -181,4 +192,58 @@ fn test_ccw_disconnect_then_reset_leaves_no_pins() {
     rig.assert_no_pins();
     rig.dev.reset().unwrap();
     rig.assert_no_pins();
+}
+
+/// Unmapping RAM while the program holds its pins aborts the program (fault Aborted) and
+/// the pins are gone before the unmap returns: the DMA layer finds no leftover pins.
+#[test]
+fn test_ccw_unmap_of_pinned_range_aborts_program_and_releases_pins() {
+    let mut rig = Rig::new();
+    let mut aborted = false;
+    for attempt in 0..10 {
+        if attempt > 0 {
+            rig.remap_ram();
+        }
+        let words: Vec<CcwWord> = (0..250)
+            .map(|i| CcwWord::read(65535, DATA + (i % 4) * 0x10000).chain())
+            .chain(std::iter::once(CcwWord::nop()))
+            .collect();
+        rig.guest_write(PROGRAM, &driver::encode_program(&words));
+        rig.guest_write(
+            OPB,
+            &OperationBlock {
+                program: PROGRAM,
+                block: 0,
+                status: ROM,
+                flags: 0,
+                reserved: 0,
+            }
+            .to_bytes(),
+        );
+        rig.set_reg(regs::OPB_ADDR_LO, OPB as u32);
+        rig.set_reg(regs::START, 1);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while rig.dev.device().pins_held() == 0 && rig.dev.device().is_busy() {
+            assert!(Instant::now() < deadline);
+            std::hint::spin_loop();
+        }
+        let report = rig
+            .space
+            .unmap(RAM, RAM_SIZE, &mut |iova, size| {
+                rig.dev.dma_unmap(iova, size)
+            })
+            .unwrap();
+        assert_eq!(report.leftover_pins, 0, "attempt {attempt}");
+        assert_eq!(rig.dev.device().pins_held(), 0, "attempt {attempt}");
+        wait_idle(&mut rig);
+        rig.assert_no_pins();
+        let (_, cstat, fault) = driver::decode_last_status(rig.reg(regs::LAST_STATUS));
+        if fault == Some(Fault::Aborted) {
+            assert_eq!(cstat, driver::cstat::CHANNEL_CONTROL_CHECK);
+            aborted = true;
+            break;
+        }
+    }
+    assert!(aborted, "the program was never caught holding pins");
+    assert_eq!(rig.space.stats().leaked_pins_released, 0);
 }

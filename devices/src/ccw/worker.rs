@@ -399,13 +399,86 @@ fn pin_fault(
 
 /// Map a DMA error to a fault and, if known, the failing IOVA.
 fn classify_dma_error(e: &DmaError) -> (Fault, Option<u64>) {
-    #[allow(unreachable_patterns)]
     match e {
-        DmaError::NotMapped { iova } => (Fault::DataAddressInvalid, Some(*iova)),
-        other => match other.errno() {
-            libc::EFAULT => (Fault::DataAddressInvalid, None),
-            libc::EPERM | libc::EACCES => (Fault::DataProtection, None),
-            _ => (Fault::PinFailed, None),
-        },
+        DmaError::NotMapped { iova } | DmaError::FdLess { iova } => {
+            (Fault::DataAddressInvalid, Some(*iova))
+        }
+        DmaError::Permission { iova, .. } => (Fault::DataProtection, Some(*iova)),
+        DmaError::Overflow { .. } => (Fault::DataAddressInvalid, None),
+        _ => (Fault::PinFailed, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_unmap_while_validating_records_range_without_waiting() {
+        let s = Shared::default();
+        s.flight().phase = Phase::Validating;
+        s.unmap(0x1000, 0x2000);
+        let f = s.flight();
+        assert_eq!(f.unmapped, vec![(0x1000, 0x2000)]);
+        assert!(!f.abort);
+    }
+
+    #[test]
+    fn test_unmap_of_other_range_does_not_abort() {
+        let s = Shared::default();
+        s.flight().phase = Phase::Pinned(vec![5, 6]);
+        s.unmap(0x10_0000, 0x1000);
+        assert!(!s.flight().abort);
+    }
+
+    #[test]
+    fn test_unmap_of_pinned_range_aborts_and_waits_for_release() {
+        let s = Arc::new(Shared::default());
+        s.flight().phase = Phase::Pinned(vec![5, 6]);
+        let s2 = s.clone();
+        let worker = std::thread::spawn(move || {
+            // The "worker": notice the abort, release, move on.
+            assert!(s2.wait_until(|f| f.abort));
+            s2.set_phase(Phase::Finishing);
+        });
+        s.unmap(6 * 4096, 4096);
+        assert!(matches!(s.flight().phase, Phase::Finishing));
+        worker.join().unwrap();
+    }
+
+    #[test]
+    fn test_cancel_all_bumps_epoch_and_clears_busy() {
+        let s = Shared::default();
+        s.busy.store(true, Ordering::SeqCst);
+        let e = s.epoch();
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        tx.send(Job {
+            opb_addr: 0,
+            epoch: e,
+        })
+        .unwrap();
+        s.cancel_all(Some(&rx));
+        assert_eq!(s.epoch(), e + 1);
+        assert!(!s.busy.load(Ordering::SeqCst));
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn test_classify_dma_error_maps_permission_and_limit() {
+        let e = DmaError::Permission {
+            iova: 0x5000,
+            need: umdev::dma::Prot::WRITE,
+            have: umdev::dma::Prot::READ,
+        };
+        assert_eq!(
+            classify_dma_error(&e),
+            (Fault::DataProtection, Some(0x5000))
+        );
+        let e = DmaError::LimitExceeded {
+            locked: 1,
+            more: 2,
+            limit: 2,
+        };
+        assert_eq!(classify_dma_error(&e), (Fault::PinFailed, None));
     }
 }

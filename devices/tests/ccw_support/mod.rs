@@ -42,7 +42,7 @@ pub const IDAWS: u64 = RAM + 0x2000;
 pub const DATA: u64 = RAM + 0x10000;
 
 /// Image capacity used by the rig (blocks).
-pub const CAPACITY_BLOCKS: u64 = 2048;
+pub const CAPACITY_BLOCKS: u64 = 32768;
 
 /// A tiny deterministic PRNG (xorshift64*).
 pub struct Rng(u64);
@@ -162,7 +162,8 @@ impl Rig {
         rig
     }
 
-    fn enable_irq(&mut self, intx: bool) {
+    /// Enable memory space, bus mastering and MSI (or INTx), and attach the eventfd.
+    pub fn enable_irq(&mut self, intx: bool) {
         // Memory space + bus master.
         self.cfg_write(0x04, &6u16.to_le_bytes());
         let index = if intx {
@@ -215,6 +216,11 @@ impl Rig {
             ptr = u64::from(hdr[1] & !3);
         }
         None
+    }
+
+    /// Map the RAM window again (after a test unmapped it).
+    pub fn remap_ram(&self) {
+        map(&self.space, &self.ram, RAM, RAM_SIZE, Prot::RW);
     }
 
     /// Guest memory write (RAM or ROM window).
