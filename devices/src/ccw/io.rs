@@ -164,11 +164,10 @@ fn run_step(
                     let src = sense_data
                         .get(sense_off..end)
                         .ok_or((Fault::Aborted, file_off))?;
-                    // SAFETY: the destination lies in pages pinned writable (see above);
-                    // guest memory is only written through a raw copy, never a reference.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(src.as_ptr(), c.host as *mut u8, c.len)
-                    };
+                    // SAFETY: `c` lies inside pages `pinned` holds pinned writable for the
+                    // whole call (see above), which is what `pinned_slice` requires.
+                    let dst = unsafe { pinned.dma().pinned_slice(c.host, c.len) };
+                    dst.copy_from(src);
                     sense_off = end;
                 }
                 Op::Nop => {}

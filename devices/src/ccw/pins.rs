@@ -192,6 +192,11 @@ impl PinnedPages {
         })
     }
 
+    /// The DMA handle the pages were pinned through.
+    pub fn dma(&self) -> &DmaHandle {
+        &self.dma
+    }
+
     /// The page arrays.
     pub fn pages(&self) -> &ProgramPages {
         &self.pages
