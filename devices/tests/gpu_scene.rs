@@ -143,6 +143,9 @@ fn test_scene_translate_matches_model_exactly_and_releases_pins() {
     assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
     // 7 + 4 GTT pages pinned (cached until the GTT changes).
     assert_eq!(rig.gpu().pins_held(), 11);
+    let observer = rig.gpu().handle();
+    assert_eq!(observer.pins_held(), 11);
+    assert_eq!(observer.pixel(160, 30), rig.gpu().pixel(160, 30));
     assert_eq!(rig.space.stats().pinned_pages, 11);
     rig.assert_no_pins_after_gtt_clear();
 }
