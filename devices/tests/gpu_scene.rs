@@ -457,3 +457,25 @@ fn test_write_png_produces_decodable_image() {
     );
     rig.assert_no_pins_after_gtt_clear();
 }
+
+#[test]
+fn test_demo_scene_draws_surface_and_frame() {
+    use umdev_devices::gpu::demo_scene::{self, SURFACE_PAGES};
+    let mut rig = Rig::new(PinPolicy::Translate);
+    // Scatter the surface: every third page, backwards.
+    let pages: Vec<u64> = (0..SURFACE_PAGES as u64)
+        .rev()
+        .map(|k| SURFACE_GPA + k * 3 * 4096)
+        .collect();
+    let summary = demo_scene::draw(&mut rig.drv, &mut rig.ram, &pages, (W, H)).unwrap();
+    assert!(summary.commands > 20);
+    assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
+    let (x0, y0) = (W / 8, H / 8);
+    assert_eq!(
+        rig.gpu().pixel(x0 + 5, y0 + 7),
+        Some(demo_scene::surface_pixel(5, 7))
+    );
+    assert_eq!(rig.gpu().pixel(0, 0), Some(0xff_c000));
+    assert_eq!(rig.gpu().pins_held(), SURFACE_PAGES);
+    rig.assert_no_pins_after_gtt_clear();
+}

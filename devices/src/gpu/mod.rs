@@ -19,6 +19,7 @@
 //! ```
 
 pub mod commands;
+pub mod demo_scene;
 pub mod driver;
 pub mod error;
 pub mod framebuffer;
