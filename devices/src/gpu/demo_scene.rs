@@ -34,8 +34,7 @@ pub struct SceneSummary {
 }
 
 /// Draw the scene in a `width`×`height` mode (at least 160×160; the mode and ring must be
-/// set up). The
-/// surface is written into `surface_pages` (guest pages, GTT order, at least
+/// set up). The surface is written into `surface_pages` (guest pages, GTT order, at least
 /// [`SURFACE_PAGES`]; scatter them to show the GTT at work) and mapped at [`GTT_START`].
 pub fn draw<R: RegisterAccess>(
     drv: &mut Driver<R>,
