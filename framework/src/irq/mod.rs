@@ -10,11 +10,12 @@
 //! lock: state is atomics, eventfds are swapped in with `arc-swap`.
 //!
 //! Files: `eventfds.rs` (per-vector eventfd slots), `vector_set.rs` (MSI/MSI-X mask and
-//! pending bits), `intx.rs` (the INTx line), `state.rs` (the whole state and mode
+//! pending bits), `intx.rs` (the INTx line), `intx_resample.rs` (the INTx unmask eventfd thread), `state.rs` (the whole state and mode
 //! selection), `set_irqs.rs` (the SET_IRQS request).
 
 mod eventfds;
 mod intx;
+mod intx_resample;
 mod set_irqs;
 pub(crate) mod state;
 mod vector_set;

@@ -172,6 +172,10 @@ impl<D: PciDevice> PciAdapter<D> {
             return shm.read_at(offset, data).map_err(DeviceError::Io);
         }
         let slot = bar.spec.index;
+        if bar.ranges.device_only(offset, data.len() as u64) {
+            self.dev.bar_read(slot, offset, data);
+            return Ok(());
+        }
         for (off, len, part) in bar.ranges.split(offset, data.len() as u64) {
             // Pieces lie inside `offset..offset + data.len()`, which fits usize.
             let start = (off - offset) as usize;
@@ -195,6 +199,10 @@ impl<D: PciDevice> PciAdapter<D> {
             return shm.write_at(offset, data).map_err(DeviceError::Io);
         }
         let slot = bar.spec.index;
+        if bar.ranges.device_only(offset, data.len() as u64) {
+            self.dev.bar_write(slot, offset, data);
+            return Ok(());
+        }
         let pieces = bar.ranges.split(offset, data.len() as u64);
         for (off, len, part) in pieces {
             let start = (off - offset) as usize;

@@ -366,3 +366,11 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn test_adapter_is_send_for_the_server_thread() {
+    fn check<T: Send + 'static>() {}
+    check::<PciAdapter<TestDevice>>();
+    let boxed: Box<dyn Device> = Box::new(adapter(full_config()));
+    assert_eq!(boxed.info().regions.len(), 9);
+}
