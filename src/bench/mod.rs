@@ -18,12 +18,14 @@ pub mod patterns;
 pub mod pin;
 pub mod plot;
 pub mod progress;
+pub mod raw_client;
 pub mod report;
 pub mod rng;
 pub mod sampler;
 pub mod stats;
 pub mod table;
 pub mod trace;
+pub mod trivial_device;
 pub mod wire;
 
 use std::path::PathBuf;
