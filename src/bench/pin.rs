@@ -94,13 +94,13 @@ pub struct PinArgs {
     /// Fast run: fewer and shorter samples (same sizes).
     #[arg(long)]
     pub quick: bool,
-    /// Samples kept per variant and cell [default: 15, quick 5].
+    /// Samples kept per variant and cell [default: 41, quick 21].
     #[arg(long)]
     pub samples: Option<usize>,
-    /// Target duration of one sample in ms [default: 10, quick 2].
+    /// Target duration of one sample in ms [default: 1, quick 0.25].
     #[arg(long)]
     pub sample_ms: Option<f64>,
-    /// Warm-up per cell in ms [default: 20, quick 2].
+    /// Warm-up per cell in ms [default: 10, quick 1].
     #[arg(long)]
     pub warmup_ms: Option<f64>,
     /// Seed of the seeded patterns.
@@ -116,10 +116,12 @@ pub struct PinArgs {
 
 /// The sampling plan of `args`.
 pub fn plan_of(args: &PinArgs) -> SamplePlan {
+    // Many short samples: on a shared machine a sample that gets preempted is an outlier
+    // the median ignores; long samples would all contain some preemption.
     let (samples, sample_ms, warmup_ms) = if args.quick {
-        (5, 2.0, 2.0)
+        (21, 0.25, 1.0)
     } else {
-        (15, 10.0, 20.0)
+        (41, 1.0, 10.0)
     };
     let ms = |v: f64| Duration::from_secs_f64(v.clamp(0.0, 60_000.0) / 1e3);
     SamplePlan {

@@ -8,10 +8,10 @@ use super::report::{PinCell, PinReport, VariantResult};
 
 const PANEL_W: f64 = 190.0;
 const PANEL_H: f64 = 150.0;
-const GAP_X: f64 = 26.0;
+const GAP_X: f64 = 46.0;
 const GAP_Y: f64 = 40.0;
 const LEFT: f64 = 120.0;
-const TOP: f64 = 70.0;
+const TOP: f64 = 92.0;
 const COALESCED: &str = "#1f77b4";
 const PER_PAGE: &str = "#d62728";
 
@@ -108,7 +108,7 @@ pub fn pin_svg(report: &PinReport) -> String {
     } else {
         (1.0, 10.0)
     };
-    let width = LEFT + patterns.len().max(1) as f64 * (PANEL_W + GAP_X) + 20.0;
+    let width = (LEFT + patterns.len().max(1) as f64 * (PANEL_W + GAP_X) + 20.0).max(800.0);
     let height = TOP + rows.len().max(1) as f64 * (PANEL_H + GAP_Y) + 20.0;
     let mut s = String::new();
     let _ = writeln!(
@@ -127,7 +127,7 @@ pub fn pin_svg(report: &PinReport) -> String {
     );
     let _ = writeln!(
         s,
-        r##"<line x1="{x1}" y1="52" x2="{x2}" y2="52" stroke="{COALESCED}" stroke-width="2"/><text x="{t1}" y="56">coalesced (pin_pages)</text><line x1="{x3}" y1="52" x2="{x4}" y2="52" stroke="{PER_PAGE}" stroke-width="2" stroke-dasharray="5,3"/><text x="{t2}" y="56">per-page (naive)</text><text x="{t3}" y="56" fill="#777">bars: p10–p90</text>"##,
+        r##"<line x1="{x1}" y1="58" x2="{x2}" y2="58" stroke="{COALESCED}" stroke-width="2"/><text x="{t1}" y="62">coalesced (pin_pages)</text><line x1="{x3}" y1="58" x2="{x4}" y2="58" stroke="{PER_PAGE}" stroke-width="2" stroke-dasharray="5,3"/><text x="{t2}" y="62">per-page (naive)</text><text x="{t3}" y="62" fill="#777">bars: p10–p90</text>"##,
         x1 = LEFT,
         x2 = LEFT + 24.0,
         t1 = LEFT + 30.0,
@@ -275,5 +275,79 @@ mod tests {
         assert_eq!(ax.map(1.0), 0.0);
         assert!((ax.map(10.0) - 100.0).abs() < 1e-9);
         assert_eq!(ax.map(100.0), 200.0);
+    }
+}
+
+#[cfg(test)]
+mod report_tests {
+    use super::*;
+    use crate::bench::report::{PinConfig, PinReport, PIN_SCHEMA};
+    use crate::bench::sampler::{SamplePlan, VariantSamples};
+
+    fn cell(pattern: &str, size: usize, a: f64, b: f64) -> PinCell {
+        let v = |ns: f64| {
+            VariantResult::from_samples(
+                &VariantSamples {
+                    iters_per_sample: 1,
+                    ns_per_iter: vec![ns * size as f64; 3],
+                    counter_per_iter: vec![0.0; 3],
+                },
+                1,
+                size,
+            )
+        };
+        PinCell {
+            backing: "4k",
+            policy: "lock",
+            pattern: pattern.into(),
+            size,
+            arrays: 1,
+            pages_per_array: size as f64,
+            runs_per_array: 1.0,
+            coalesced: Some(v(a)),
+            per_page: Some(v(b)),
+            ratio: Some(b / a),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn test_pin_svg_one_panel_per_pattern_two_lines_each() {
+        let report = PinReport {
+            schema: PIN_SCHEMA,
+            command: vec![],
+            config: PinConfig {
+                sizes: vec![1, 512],
+                patterns: vec!["contiguous", "scattered"],
+                traces: vec![],
+                policies: vec!["lock"],
+                backings: vec!["4k"],
+                plan: SamplePlan {
+                    warmup: std::time::Duration::ZERO,
+                    samples: 3,
+                    sample_target: std::time::Duration::ZERO,
+                    max_iters: 1,
+                },
+                seed: 0,
+                quick: true,
+                region_iova: 0,
+                region_bytes: 0,
+                trace_bucket_cap: 1,
+            },
+            machine: crate::bench::machine::collect(),
+            backings: vec![],
+            cells: vec![
+                cell("contiguous", 1, 100.0, 100.0),
+                cell("contiguous", 512, 10.0, 100.0),
+                cell("scat<tered", 1, 100.0, 100.0),
+                cell("scat<tered", 512, 100.0, 100.0),
+            ],
+            elapsed_s: 0.0,
+        };
+        let svg = pin_svg(&report);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 4);
+        assert!(svg.contains("scat&lt;tered"));
+        assert!(!svg.contains("NaN"));
     }
 }
