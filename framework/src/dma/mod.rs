@@ -1,10 +1,57 @@
 //! The DMA layer: map table, page pinning with coalescing, `dma_rw`, dirty log.
 //!
-//! SKELETON — the public API below is the contract other modules code against; the
-//! implementation is being written. Signatures may grow, but should not change shape.
+//! The server applies DMA_MAP / DMA_UNMAP / dirty-logging requests to a [`DmaSpace`]; a
+//! device keeps a [`DmaHandle`] (cheap to clone, `Send + Sync`) and from any thread
+//! - pins arrays of IOVA pages ([`DmaHandle::pin_pages`], coalesced into runs, refcounted,
+//!   all-or-nothing, resident per [`PinPolicy`]) and gets host addresses back,
+//! - or copies by IOVA ([`DmaHandle::read`] / [`DmaHandle::write`]).
+//!
+//! Files: `map_table` (lock-free sorted snapshot of mappings), `region` (one mapping),
+//! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
+//! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
+//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol).
+//!
+//! # Concurrency
+//! Lookups (pins, `dma_rw`) read an `ArcSwap` snapshot of the map table: no lock. Pin and
+//! unpin calls serialize on one pin lock per space (as type1 serializes on `iommu->lock`),
+//! which makes multi-page, multi-region calls all-or-nothing and the accounting exact.
+//! Map/unmap/dirty-logging serialize on a map lock taken only by the connection thread.
+//!
+//! # Host addresses of pinned pages
+//! A host address returned by `pin_pages`/`pin_range` points into a `MAP_SHARED` mapping of
+//! the client's memory; pages that are consecutive in IOVA *and* in one mapping are
+//! consecutive in host memory (`pin_range` returns the start of such a range). It may be
+//! accessed (with raw/volatile accesses only: the guest writes it concurrently) until the
+//! matching unpin. If the device still holds pins when the mapping is unmapped, umdev
+//! force-releases them and replaces the range with private scratch memory that stays mapped
+//! for the life of the space, so a buggy device scribbles on scratch, never on freed or
+//! reused memory. See [`DmaHandle::pinned_slice`].
+
+mod coalesce;
+mod dirty;
+mod dirty_log;
+mod error;
+mod map_table;
+mod mapping;
+mod naive;
+mod pin;
+mod pin_table;
+mod region;
+mod residency;
+mod rw;
 
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use arc_swap::ArcSwap;
+use vm_memory::{ByteValued, VolatileSlice};
+
+pub use error::DmaError;
+pub use naive::NaiveDma;
+
+use map_table::MapTable;
+use region::HostMem;
 
 /// Page size the pin API works in (IOVA page numbers are `iova >> PAGE_SHIFT`).
 pub const PAGE_SIZE: u64 = 4096;
@@ -76,26 +123,6 @@ impl Default for DmaConfig {
     }
 }
 
-/// Errors of the DMA layer.
-#[derive(Debug, thiserror::Error)]
-pub enum DmaError {
-    /// No mapping covers the address.
-    #[error("iova {iova:#x} is not mapped")]
-    NotMapped {
-        /// The address.
-        iova: u64,
-    },
-}
-
-impl DmaError {
-    /// The errno this error is reported with.
-    pub fn errno(&self) -> i32 {
-        match self {
-            DmaError::NotMapped { .. } => libc::EFAULT,
-        }
-    }
-}
-
 /// One DMA_MAP request, already decoded and validated by the protocol layer.
 #[derive(Debug)]
 pub struct DmaMapping {
@@ -149,148 +176,341 @@ pub struct UnmapReport {
     pub leftover_pins: u64,
 }
 
+/// Counters shared by the paths.
+#[derive(Default)]
+struct Counters {
+    maps: AtomicU64,
+    pinned_pages: AtomicU64,
+    locked_pages: AtomicU64,
+    leaked_pins_released: AtomicU64,
+    residency_syscalls: AtomicU64,
+}
+
 /// The DMA map table of one device server; lives as long as the server (across client
 /// reconnects). The server applies DMA_MAP/DMA_UNMAP here; devices use a [`DmaHandle`].
 pub struct DmaSpace {
-    _config: DmaConfig,
+    table: ArcSwap<MapTable>,
+    /// Serializes map/unmap/dirty logging (the connection thread).
+    map_lock: Mutex<()>,
+    /// Serializes pin/unpin calls and the forced release at unmap.
+    pin_lock: Mutex<()>,
+    policy: AtomicU8,
+    lock_limit_pages: AtomicU64,
+    max_dma_maps: AtomicU32,
+    counters: Counters,
+    remote: RwLock<Option<Arc<dyn RemoteDma>>>,
+    recorder: RwLock<Option<PinRecorder>>,
+    has_recorder: AtomicBool,
+    dirty_active: AtomicBool,
+    dirty_shift: AtomicU32,
+    /// Mappings replaced by scratch memory after a device leaked pins (see module docs).
+    graveyard: Mutex<Vec<HostMem>>,
+}
+
+fn policy_to_u8(p: PinPolicy) -> u8 {
+    match p {
+        PinPolicy::Translate => 0,
+        PinPolicy::Lock => 1,
+        PinPolicy::Populate => 2,
+    }
+}
+
+fn lock_limit_pages(bytes: Option<u64>) -> u64 {
+    match bytes {
+        Some(b) => b >> PAGE_SHIFT,
+        None => residency::default_lock_limit_pages(),
+    }
 }
 
 impl DmaSpace {
     /// A new, empty map table.
     pub fn new(config: DmaConfig) -> Arc<DmaSpace> {
-        Arc::new(DmaSpace { _config: config })
+        Arc::new(DmaSpace {
+            table: ArcSwap::from_pointee(MapTable::default()),
+            map_lock: Mutex::new(()),
+            pin_lock: Mutex::new(()),
+            policy: AtomicU8::new(policy_to_u8(config.policy)),
+            lock_limit_pages: AtomicU64::new(lock_limit_pages(config.lock_limit_bytes)),
+            max_dma_maps: AtomicU32::new(config.max_dma_maps),
+            counters: Counters::default(),
+            remote: RwLock::new(None),
+            recorder: RwLock::new(None),
+            has_recorder: AtomicBool::new(false),
+            dirty_active: AtomicBool::new(false),
+            dirty_shift: AtomicU32::new(PAGE_SHIFT),
+            graveyard: Mutex::new(Vec::new()),
+        })
     }
 
     /// The handle devices keep.
     pub fn handle(self: &Arc<Self>) -> DmaHandle {
         DmaHandle {
-            _space: self.clone(),
+            space: self.clone(),
         }
     }
 
-    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps.
-    pub fn map(&self, _m: DmaMapping) -> Result<(), DmaError> {
-        todo!("dma: map")
+    fn map_lock(&self) -> MutexGuard<'_, ()> {
+        self.map_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pin_lock(&self) -> MutexGuard<'_, ()> {
+        self.pin_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn policy(&self) -> PinPolicy {
+        match self.policy.load(Relaxed) {
+            1 => PinPolicy::Lock,
+            2 => PinPolicy::Populate,
+            _ => PinPolicy::Translate,
+        }
+    }
+
+    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps; iova, size and offset must be
+    /// 4 KiB aligned and not overflow. An fd-backed mapping is mmap'd `MAP_SHARED` with the
+    /// mapping's protection (the fd is closed afterwards; the mapping keeps the memory).
+    pub fn map(&self, m: DmaMapping) -> Result<(), DmaError> {
+        self.map_impl(m)
     }
 
     /// DMA_UNMAP of exactly an earlier mapping. Calls `notify(iova, size)` (the device's
     /// unmap notifier) before removing, force-releases leftover pins, waits for in-flight
     /// accesses. After it returns nothing touches the range.
+    ///
+    /// `notify` runs on the calling thread with the map lock held: it may unpin (from this
+    /// or other threads) but must not call `map`/`unmap`/`dirty_*` on this space.
     pub fn unmap(
         &self,
-        _iova: u64,
-        _size: u64,
-        _notify: &mut dyn FnMut(u64, u64),
+        iova: u64,
+        size: u64,
+        notify: &mut dyn FnMut(u64, u64),
     ) -> Result<UnmapReport, DmaError> {
-        todo!("dma: unmap")
+        self.unmap_impl(iova, size, notify)
     }
 
     /// Remove every mapping (client disconnect), with the same guarantees as `unmap`.
-    pub fn unmap_all(&self, _notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
-        todo!("dma: unmap_all")
+    pub fn unmap_all(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
+        self.unmap_all_impl(notify)
     }
 
     /// Install (or remove, on disconnect) the server→client path for fd-less mappings.
-    pub fn set_remote(&self, _remote: Option<Arc<dyn RemoteDma>>) {
-        todo!("dma: set_remote")
+    pub fn set_remote(&self, remote: Option<Arc<dyn RemoteDma>>) {
+        *self.remote.write().unwrap_or_else(|e| e.into_inner()) = remote;
     }
 
     /// DMA_LOGGING_START for `ranges` (iova, size) at `pgsize` (empty = everything).
-    pub fn dirty_start(&self, _pgsize: u64, _ranges: &[(u64, u64)]) -> Result<(), DmaError> {
-        todo!("dma: dirty_start")
+    /// EBUSY if logging is already on; `pgsize` must be a power of two ≥ 4096.
+    pub fn dirty_start(&self, pgsize: u64, ranges: &[(u64, u64)]) -> Result<(), DmaError> {
+        self.dirty_start_impl(pgsize, ranges)
     }
 
     /// DMA_LOGGING_STOP.
     pub fn dirty_stop(&self) {
-        todo!("dma: dirty_stop")
+        self.dirty_stop_impl()
     }
 
-    /// DMA_LOGGING_REPORT: fill `bitmap` (1 bit per `pgsize` page of `[iova, iova+size)`)
-    /// and clear the reported bits. On error no bit is cleared.
+    /// DMA_LOGGING_REPORT: fill `bitmap` (1 bit per `pgsize` page of `[iova, iova+size)`,
+    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` must be
+    /// a power-of-two multiple of the logging page size; iova and size aligned to it.
     pub fn dirty_report(
         &self,
-        _iova: u64,
-        _size: u64,
-        _pgsize: u64,
-        _bitmap: &mut [u8],
+        iova: u64,
+        size: u64,
+        pgsize: u64,
+        bitmap: &mut [u8],
     ) -> Result<(), DmaError> {
-        todo!("dma: dirty_report")
+        self.dirty_report_impl(iova, size, pgsize, bitmap)
     }
 
     /// Counters.
     pub fn stats(&self) -> DmaStats {
-        todo!("dma: stats")
+        let c = &self.counters;
+        DmaStats {
+            maps: c.maps.load(Relaxed),
+            pinned_pages: c.pinned_pages.load(Relaxed),
+            locked_pages: c.locked_pages.load(Relaxed),
+            leaked_pins_released: c.leaked_pins_released.load(Relaxed),
+            residency_syscalls: c.residency_syscalls.load(Relaxed),
+        }
     }
 
     /// Install or remove the pin recorder.
-    pub fn set_pin_recorder(&self, _recorder: Option<PinRecorder>) {
-        todo!("dma: set_pin_recorder")
+    pub fn set_pin_recorder(&self, recorder: Option<PinRecorder>) {
+        let mut r = self.recorder.write().unwrap_or_else(|e| e.into_inner());
+        self.has_recorder.store(recorder.is_some(), Relaxed);
+        *r = recorder;
+    }
+
+    /// Change the residency policy. EBUSY while any page is pinned (a policy change under
+    /// existing pins would make the locked-page accounting ambiguous).
+    pub fn set_policy(&self, policy: PinPolicy) -> Result<(), DmaError> {
+        let _pin = self.pin_lock();
+        if self.counters.pinned_pages.load(Relaxed) != 0 {
+            return Err(DmaError::Busy(
+                "cannot change the pin policy while pages are pinned",
+            ));
+        }
+        self.policy.store(policy_to_u8(policy), Relaxed);
+        Ok(())
+    }
+
+    /// Change the locked-memory limit of `Lock` (`None` = RLIMIT_MEMLOCK). Existing locks
+    /// stay; later pins are checked against the new limit.
+    pub fn set_lock_limit(&self, bytes: Option<u64>) {
+        let _pin = self.pin_lock();
+        self.lock_limit_pages
+            .store(lock_limit_pages(bytes), Relaxed);
+    }
+
+    /// Set the negotiated max_dma_maps (applies to later DMA_MAPs).
+    pub fn set_max_dma_maps(&self, max: u32) {
+        self.max_dma_maps.store(max, Relaxed);
+    }
+
+    /// Verify the accounting by a full scan (for tests and debugging; O(pinned chunks)):
+    /// per-region and global pinned/locked counters equal the flags in the pin tables, and
+    /// under `Lock` locked pages equal pinned pages.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let _pin = self.pin_lock();
+        let table = self.table.load();
+        let (mut pinned, mut locked) = (0u64, 0u64);
+        for r in table.iter() {
+            let (p, l, c) = r.pins.scan();
+            if p != c {
+                return Err(format!(
+                    "region {:#x}: {p} pages flagged pinned but {c} with count > 0",
+                    r.iova
+                ));
+            }
+            if p != r.pins.pinned.load(Relaxed) || l != r.pins.locked.load(Relaxed) {
+                return Err(format!(
+                    "region {:#x}: scanned pinned/locked {p}/{l}, counters {}/{}",
+                    r.iova,
+                    r.pins.pinned.load(Relaxed),
+                    r.pins.locked.load(Relaxed)
+                ));
+            }
+            pinned += p;
+            locked += l;
+        }
+        let s = self.stats();
+        if s.pinned_pages != pinned || s.locked_pages != locked {
+            return Err(format!(
+                "global pinned/locked {}/{} but regions sum to {pinned}/{locked}",
+                s.pinned_pages, s.locked_pages
+            ));
+        }
+        if self.policy() == PinPolicy::Lock && locked != pinned {
+            return Err(format!("policy Lock: {locked} locked != {pinned} pinned"));
+        }
+        if s.maps != table.len() as u64 {
+            return Err(format!("maps counter {} != table {}", s.maps, table.len()));
+        }
+        Ok(())
+    }
+
+    fn record(&self, pfns: &[u64], prot: Prot) {
+        if self.has_recorder.load(Relaxed) {
+            let rec = self
+                .recorder
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            if let Some(rec) = rec {
+                rec(pfns, prot);
+            }
+        }
     }
 }
 
-/// A device's handle to DMA: cheap to clone, `Send + Sync`, usable from worker threads.
+/// A device's handle to DMA: cheap to clone, `Send + Sync`, usable from worker threads. It
+/// stays valid across client reconnects (the space lives as long as the server).
 #[derive(Clone)]
 pub struct DmaHandle {
-    _space: Arc<DmaSpace>,
+    space: Arc<DmaSpace>,
 }
 
 impl DmaHandle {
     /// Pin the pages `iova_pfns` (arbitrary order, duplicates allowed) with `prot`; write the
-    /// host address of each page into `host_addrs[i]`. All-or-nothing.
+    /// host address of each page into `host_addrs[i]`. All-or-nothing: on error nothing
+    /// pinned by the call stays pinned and the accounting is as before (pages pinned
+    /// writable may stay marked dirty). See the module docs for what a host address allows.
     pub fn pin_pages(
         &self,
-        _iova_pfns: &[u64],
-        _prot: Prot,
-        _host_addrs: &mut [u64],
+        iova_pfns: &[u64],
+        prot: Prot,
+        host_addrs: &mut [u64],
     ) -> Result<(), DmaError> {
-        todo!("dma: pin_pages")
+        self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)?;
+        self.space.record(iova_pfns, prot);
+        Ok(())
     }
 
     /// Unpin pages pinned by `pin_pages`; all-or-nothing (an unpinned page is an error).
-    pub fn unpin_pages(&self, _iova_pfns: &[u64]) -> Result<(), DmaError> {
-        todo!("dma: unpin_pages")
+    pub fn unpin_pages(&self, iova_pfns: &[u64]) -> Result<(), DmaError> {
+        self.space.unpin_impl::<true>(iova_pfns)
+    }
+
+    /// Pin `npages` consecutive pages from `iova_pfn`, which must lie in one mapping; returns
+    /// the host address of the first page (the pages are consecutive in host memory).
+    pub fn pin_range(&self, iova_pfn: u64, npages: u64, prot: Prot) -> Result<u64, DmaError> {
+        self.space.pin_range_impl(iova_pfn, npages, prot)
+    }
+
+    /// Unpin what `pin_range` pinned; all-or-nothing.
+    pub fn unpin_range(&self, iova_pfn: u64, npages: u64) -> Result<(), DmaError> {
+        self.space.unpin_range_impl(iova_pfn, npages)
     }
 
     /// Copy guest memory at `iova` into `buf`.
-    pub fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), DmaError> {
-        todo!("dma: read")
+    pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        self.space.read_impl(iova, buf)
     }
 
     /// Copy `data` into guest memory at `iova`.
-    pub fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), DmaError> {
-        todo!("dma: write")
+    pub fn write(&self, iova: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.space.write_impl(iova, data)
+    }
+
+    /// Read a plain-data object at `iova`.
+    pub fn read_obj<T: ByteValued>(&self, iova: u64) -> Result<T, DmaError> {
+        // SAFETY: ByteValued types are valid for every bit pattern, including all zeroes.
+        let mut v: T = unsafe { std::mem::zeroed() };
+        self.read(iova, v.as_mut_slice())?;
+        Ok(v)
+    }
+
+    /// Write a plain-data object at `iova`.
+    pub fn write_obj<T: ByteValued>(&self, iova: u64, v: &T) -> Result<(), DmaError> {
+        self.write(iova, v.as_slice())
+    }
+
+    /// A volatile view of `len` bytes of pinned memory at `host_addr`.
+    ///
+    /// # Safety
+    /// `[host_addr, host_addr + len)` must lie within pages that this handle's space returned
+    /// from `pin_pages`/`pin_range` (consecutive pages of one mapping are consecutive in host
+    /// memory), and they must stay pinned while the slice is used. The slice is guest memory
+    /// shared with another process: use only its volatile accessors.
+    pub unsafe fn pinned_slice(&self, host_addr: u64, len: usize) -> VolatileSlice<'_> {
+        // SAFETY: the caller guarantees the range is pinned, hence mapped and valid for
+        // volatile reads/writes for as long as it stays pinned (and mapped, possibly to
+        // scratch, for the space's lifetime, which the borrow of `self` covers).
+        unsafe { VolatileSlice::new(host_addr as *mut u8, len) }
     }
 
     /// Counters of the underlying space.
     pub fn stats(&self) -> DmaStats {
-        self._space.stats()
+        self.space.stats()
+    }
+
+    /// The space this handle belongs to.
+    pub fn space(&self) -> &Arc<DmaSpace> {
+        &self.space
     }
 
     /// The per-page reference path (no coalescing): same semantics and accounting as
     /// `pin_pages`/`unpin_pages`; the baseline for property tests and benchmarks.
     pub fn naive(&self) -> NaiveDma<'_> {
-        NaiveDma { _handle: self }
-    }
-}
-
-/// The per-page reference implementation of pinning (see [`DmaHandle::naive`]).
-pub struct NaiveDma<'a> {
-    _handle: &'a DmaHandle,
-}
-
-impl NaiveDma<'_> {
-    /// Per-page `pin_pages`: one lookup, check and residency operation per page.
-    pub fn pin_pages(
-        &self,
-        _iova_pfns: &[u64],
-        _prot: Prot,
-        _host_addrs: &mut [u64],
-    ) -> Result<(), DmaError> {
-        todo!("dma: naive pin_pages")
-    }
-
-    /// Per-page `unpin_pages`.
-    pub fn unpin_pages(&self, _iova_pfns: &[u64]) -> Result<(), DmaError> {
-        todo!("dma: naive unpin_pages")
+        NaiveDma { handle: self }
     }
 }

@@ -1,0 +1,187 @@
+//! [`DmaError`]: every way a DMA operation can fail, with its errno.
+
+use super::Prot;
+
+/// Errors of the DMA layer. [`DmaError::errno`] is the one place that maps them to the errno
+/// the protocol layer replies with.
+#[derive(Debug, thiserror::Error)]
+pub enum DmaError {
+    /// No mapping covers the address (EFAULT).
+    #[error("iova {iova:#x} is not mapped")]
+    NotMapped {
+        /// The address.
+        iova: u64,
+    },
+    /// The mapping does not grant the requested access (EPERM).
+    #[error("access {need:?} at iova {iova:#x} is not permitted by the mapping ({have:?})")]
+    Permission {
+        /// The address.
+        iova: u64,
+        /// What the caller asked for.
+        need: Prot,
+        /// What the mapping grants.
+        have: Prot,
+    },
+    /// The page lies in a mapping the client sent without a file descriptor, so the server
+    /// cannot pin it (EFAULT).
+    #[error(
+        "iova {iova:#x} lies in a DMA mapping without a file descriptor, so its pages cannot be \
+         pinned; give QEMU a shared memfd memory backend: `-object \
+         memory-backend-memfd,id=mem,size=<guest RAM>,share=on -machine memory-backend=mem`"
+    )]
+    FdLess {
+        /// The address.
+        iova: u64,
+    },
+    /// DMA_MAP of a range overlapping an existing mapping (EEXIST).
+    #[error("DMA mapping [{iova:#x}, +{size:#x}) overlaps an existing mapping")]
+    Overlap {
+        /// Start of the new mapping.
+        iova: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// DMA_UNMAP of a range that is not exactly one earlier mapping (ENOENT: umdev, like
+    /// the spec, only removes whole mappings and treats a non-matching range as "no such
+    /// mapping").
+    #[error("no DMA mapping is exactly [{iova:#x}, +{size:#x})")]
+    NoExactMatch {
+        /// Start of the requested range.
+        iova: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// Address or size arithmetic would overflow (EINVAL).
+    #[error("{what} overflows the address space")]
+    Overflow {
+        /// What overflowed.
+        what: &'static str,
+    },
+    /// Pinning would exceed the locked-memory limit of policy `Lock` (ENOMEM, as the kernel
+    /// reports an exceeded RLIMIT_MEMLOCK for pins).
+    #[error("locked-memory limit exceeded: {locked} pages locked, {more} more requested, limit {limit} pages")]
+    LimitExceeded {
+        /// Pages locked before the call's failing run.
+        locked: u64,
+        /// Newly locked pages the run needed.
+        more: u64,
+        /// The limit in pages.
+        limit: u64,
+    },
+    /// Unpin of a page that is not pinned (EINVAL).
+    #[error("iova pfn {pfn:#x} is not pinned")]
+    NotPinned {
+        /// The page number.
+        pfn: u64,
+    },
+    /// A page's pin count would overflow (EOVERFLOW).
+    #[error("pin count of iova pfn {pfn:#x} would overflow")]
+    PinCountOverflow {
+        /// The page number.
+        pfn: u64,
+    },
+    /// More mappings than the negotiated max_dma_maps (ENOSPC).
+    #[error("too many DMA mappings (limit {limit})")]
+    TooManyMaps {
+        /// The limit.
+        limit: u32,
+    },
+    /// mmap of the client's file descriptor failed (its errno, else EINVAL).
+    #[error("mmap of the DMA mapping's file descriptor failed")]
+    Mmap(#[source] std::io::Error),
+    /// A residency syscall (mlock/madvise) failed (its errno, else EIO).
+    #[error("{op} of pinned pages failed")]
+    Residency {
+        /// The syscall.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Server→client DMA_READ/DMA_WRITE failed; `errno` is what the client replied (or
+    /// EIO for a transport failure).
+    #[error("server-to-client DMA at iova {iova:#x} failed (errno {errno})")]
+    Remote {
+        /// The address of the failing piece.
+        iova: u64,
+        /// The errno.
+        errno: i32,
+    },
+    /// An fd-less mapping was accessed while no client is connected (ENOTCONN).
+    #[error("no client is connected to serve DMA to an fd-less mapping")]
+    Disconnected,
+    /// A malformed argument (EINVAL).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    /// The operation conflicts with the current state (EBUSY).
+    #[error("busy: {0}")]
+    Busy(&'static str),
+}
+
+impl DmaError {
+    /// The errno this error is reported with.
+    pub fn errno(&self) -> i32 {
+        match self {
+            DmaError::NotMapped { .. } => libc::EFAULT,
+            DmaError::Permission { .. } => libc::EPERM,
+            DmaError::FdLess { .. } => libc::EFAULT,
+            DmaError::Overlap { .. } => libc::EEXIST,
+            DmaError::NoExactMatch { .. } => libc::ENOENT,
+            DmaError::Overflow { .. } => libc::EINVAL,
+            DmaError::LimitExceeded { .. } => libc::ENOMEM,
+            DmaError::NotPinned { .. } => libc::EINVAL,
+            DmaError::PinCountOverflow { .. } => libc::EOVERFLOW,
+            DmaError::TooManyMaps { .. } => libc::ENOSPC,
+            DmaError::Mmap(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
+            DmaError::Residency { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            DmaError::Remote { errno, .. } => *errno,
+            DmaError::Disconnected => libc::ENOTCONN,
+            DmaError::InvalidArgument(_) => libc::EINVAL,
+            DmaError::Busy(_) => libc::EBUSY,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_errno_fdless_message_names_qemu_memfd_backend() {
+        let e = DmaError::FdLess { iova: 0x1000 };
+        assert_eq!(e.errno(), libc::EFAULT);
+        let msg = e.to_string();
+        assert!(msg.contains("memory-backend-memfd"), "{msg}");
+        assert!(msg.contains("share=on"), "{msg}");
+    }
+
+    #[test]
+    fn test_errno_each_variant_maps_to_expected_errno() {
+        assert_eq!(DmaError::Overlap { iova: 0, size: 1 }.errno(), libc::EEXIST);
+        assert_eq!(
+            DmaError::NoExactMatch { iova: 0, size: 1 }.errno(),
+            libc::ENOENT
+        );
+        assert_eq!(
+            DmaError::LimitExceeded {
+                locked: 0,
+                more: 1,
+                limit: 0
+            }
+            .errno(),
+            libc::ENOMEM
+        );
+        assert_eq!(DmaError::TooManyMaps { limit: 1 }.errno(), libc::ENOSPC);
+        assert_eq!(DmaError::NotPinned { pfn: 1 }.errno(), libc::EINVAL);
+        assert_eq!(DmaError::Disconnected.errno(), libc::ENOTCONN);
+        let io = std::io::Error::from_raw_os_error(libc::EAGAIN);
+        assert_eq!(
+            DmaError::Residency {
+                op: "mlock",
+                source: io
+            }
+            .errno(),
+            libc::EAGAIN
+        );
+    }
+}

@@ -1,0 +1,201 @@
+//! DMA_MAP and DMA_UNMAP: validating and mmapping a mapping, and the unmap protocol
+//! (close → notify → verify and force-release → unpublish → drain in-flight → release memory).
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering::{Acquire, Relaxed};
+use std::sync::Arc;
+
+use super::dirty::DirtyBitmap;
+use super::map_table::MapTable;
+use super::region::{HostMem, Region};
+use super::{DmaError, DmaMapping, DmaSpace, UnmapReport, PAGE_SIZE};
+
+impl DmaSpace {
+    /// DMA_MAP.
+    pub(crate) fn map_impl(&self, m: DmaMapping) -> Result<(), DmaError> {
+        let DmaMapping {
+            iova,
+            size,
+            prot,
+            fd,
+            offset,
+        } = m;
+        if size == 0 {
+            return Err(DmaError::InvalidArgument("DMA mapping size is 0"));
+        }
+        if iova % PAGE_SIZE != 0 || size % PAGE_SIZE != 0 || offset % PAGE_SIZE != 0 {
+            return Err(DmaError::InvalidArgument(
+                "DMA mapping iova, size and offset must be 4 KiB aligned",
+            ));
+        }
+        let end = iova.checked_add(size).ok_or(DmaError::Overflow {
+            what: "DMA mapping iova + size",
+        })?;
+        let len = usize::try_from(size)
+            .ok()
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or(DmaError::Overflow {
+                what: "DMA mapping size",
+            })?;
+        let _w = self.map_lock();
+        let table = self.table.load_full();
+        let limit = self.max_dma_maps.load(Relaxed);
+        if table.len() >= limit as usize {
+            return Err(DmaError::TooManyMaps { limit });
+        }
+        let mem = match fd {
+            Some(fd) => Some(map_fd(&fd, len, offset, size, prot)?),
+            None => None,
+        };
+        let region = Arc::new(Region::new(iova, size, prot, mem));
+        if self.dirty_active.load(Acquire) {
+            let shift = self.dirty_shift.load(Relaxed);
+            region
+                .dirty
+                .store(Some(Arc::new(DirtyBitmap::new(iova, end, shift))));
+        }
+        let new = table.with_inserted(region)?;
+        self.table.store(Arc::new(new));
+        self.counters.maps.fetch_add(1, Relaxed);
+        tracing::debug!(iova, size, ?prot, offset, "DMA map");
+        Ok(())
+    }
+
+    /// DMA_UNMAP of exactly one mapping.
+    pub(crate) fn unmap_impl(
+        &self,
+        iova: u64,
+        size: u64,
+        notify: &mut dyn FnMut(u64, u64),
+    ) -> Result<UnmapReport, DmaError> {
+        let _w = self.map_lock();
+        let table = self.table.load_full();
+        let region = table
+            .find_exact(iova, size)
+            .cloned()
+            .ok_or(DmaError::NoExactMatch { iova, size })?;
+        drop(table);
+        Ok(self.remove_regions(&[region], notify))
+    }
+
+    /// Remove every mapping.
+    pub(crate) fn unmap_all_impl(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
+        let _w = self.map_lock();
+        let regions: Vec<Arc<Region>> = self.table.load().iter().cloned().collect();
+        self.remove_regions(&regions, notify)
+    }
+
+    /// The unmap protocol for `regions` (all in the table); caller holds the map lock.
+    fn remove_regions(
+        &self,
+        regions: &[Arc<Region>],
+        notify: &mut dyn FnMut(u64, u64),
+    ) -> UnmapReport {
+        let mut report = UnmapReport::default();
+        if regions.is_empty() {
+            return report;
+        }
+        // 1. No new pins from here on (ordered against pin calls by the pin lock).
+        {
+            let _pin = self.pin_lock();
+            for r in regions {
+                r.closing.store(true, Relaxed);
+            }
+        }
+        // 2. The device drops its pins (it may unpin from this or other threads).
+        for r in regions {
+            notify(r.iova, r.size);
+        }
+        // 3. Verify: leftovers are a device bug, logged, counted and force-released.
+        let mut leftovers = Vec::with_capacity(regions.len());
+        {
+            let _pin = self.pin_lock();
+            for r in regions {
+                let left = self.force_release(r);
+                if left > 0 {
+                    tracing::error!(
+                        iova = r.iova,
+                        size = r.size,
+                        pages = left,
+                        "device left pages pinned at DMA unmap; force-released"
+                    );
+                    self.counters.leaked_pins_released.fetch_add(left, Relaxed);
+                }
+                leftovers.push(left);
+            }
+        }
+        // 4. Unpublish: new lookups fail.
+        let table = self.table.load_full();
+        let new = if regions.len() == table.len() {
+            MapTable::default()
+        } else {
+            regions
+                .iter()
+                .fold((*table).clone(), |t, r| t.with_removed(r.iova))
+        };
+        self.table.store(Arc::new(new));
+        // 5. Wait for in-flight accesses, then release the memory.
+        for (r, &left) in regions.iter().zip(&leftovers) {
+            r.remove_and_drain();
+            let mem = r.mem.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(mem) = mem {
+                if left > 0 {
+                    // A device that ignored the notifier may still hold host addresses: keep
+                    // the address range reserved (as scratch memory) for the space's lifetime.
+                    if let Err(e) = mem.replace_with_scratch() {
+                        tracing::error!(err = %e, "cannot replace leaked DMA mapping with scratch memory; keeping it mapped");
+                    }
+                    self.graveyard
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(mem);
+                } else {
+                    drop(mem);
+                }
+            }
+            let (p, l, c) = r.pins.scan();
+            if p != 0 || l != 0 || c != 0 {
+                tracing::error!(
+                    iova = r.iova,
+                    pinned = p,
+                    locked = l,
+                    counted = c,
+                    "pin accounting invariant broken after unmap"
+                );
+            }
+            self.counters.maps.fetch_sub(1, Relaxed);
+            report.maps_removed += 1;
+            report.leftover_pins += left;
+            tracing::debug!(iova = r.iova, size = r.size, leftover = left, "DMA unmap");
+        }
+        report
+    }
+}
+
+/// Check the file is large enough and mmap it.
+fn map_fd(
+    fd: &OwnedFd,
+    len: usize,
+    offset: u64,
+    size: u64,
+    prot: super::Prot,
+) -> Result<HostMem, DmaError> {
+    let need = offset.checked_add(size).ok_or(DmaError::Overflow {
+        what: "DMA mapping offset + size",
+    })?;
+    // SAFETY: fstat writes into the zeroed struct we pass; the fd is valid (owned).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(DmaError::Mmap(std::io::Error::last_os_error()));
+    }
+    // A regular file (memfd, tmpfs, hugetlbfs) shorter than the mapping would SIGBUS on
+    // access; refuse it up front. (A client that shrinks the file later can still cause
+    // SIGBUS, as with every vhost-user style backend: QEMU seals its memfds against that.)
+    if st.st_mode & libc::S_IFMT == libc::S_IFREG && (st.st_size as u64) < need {
+        return Err(DmaError::InvalidArgument(
+            "DMA mapping extends past the end of its file",
+        ));
+    }
+    HostMem::map_fd(fd.as_fd(), len, offset, prot).map_err(DmaError::Mmap)
+}

@@ -1,0 +1,307 @@
+//! Per-region pin state: one 32-bit word per 4 KiB page, in lazily allocated chunks.
+//!
+//! A region of `n` pages owns `ceil(n / CHUNK_PAGES)` empty chunk slots; a chunk of
+//! [`CHUNK_PAGES`] words (4 KiB) is allocated the first time one of its pages is pinned, so a
+//! 64 GiB mapping costs 16 Ki slots up front, not 16 Mi words. A page's word is found by array
+//! index (`page >> CHUNK_SHIFT`, `page & mask`), never by hashing.
+//!
+//! Word layout: bits 0..29 pin count, [`PINNED`] (page counted in the pinned-page totals),
+//! [`LOCKED`] (page mlocked and counted against the limit), [`WRITABLE`] (pinned with write
+//! access at least once since it was last unpinned to zero: reported dirty while pinned).
+//!
+//! Concurrency: every mutation happens with the space's pin lock held (like the kernel's
+//! `iommu->lock` around `vfio_iommu_type1_pin_pages`), so the words are atomics only to make
+//! the table `Sync` for lock-free readers (dirty report, invariant checks); `Relaxed` suffices.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
+
+/// log2 of the pages per chunk.
+pub(crate) const CHUNK_SHIFT: u32 = 10;
+/// Pages per chunk.
+pub(crate) const CHUNK_PAGES: usize = 1 << CHUNK_SHIFT;
+/// Largest pin count of one page.
+pub(crate) const COUNT_MASK: u32 = (1 << 29) - 1;
+/// The page is pinned with write access (reported dirty while pinned).
+pub(crate) const WRITABLE: u32 = 1 << 29;
+/// The page is counted as pinned (set on 0→1, cleared when released).
+pub(crate) const PINNED: u32 = 1 << 30;
+/// The page is mlocked and counted against the limit.
+pub(crate) const LOCKED: u32 = 1 << 31;
+
+type Chunk = [AtomicU32; CHUNK_PAGES];
+
+/// Pin words of one region.
+pub(crate) struct PinTable {
+    chunks: Box<[OnceLock<Box<Chunk>>]>,
+    npages: u64,
+    /// Pages with [`PINNED`] set.
+    pub(crate) pinned: AtomicU64,
+    /// Pages with [`LOCKED`] set.
+    pub(crate) locked: AtomicU64,
+}
+
+/// Outcome of a scan that releases pages whose count reached zero.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Released {
+    /// Pages whose [`PINNED`] bit was cleared.
+    pub(crate) pinned: u64,
+    /// Pages whose [`LOCKED`] bit was cleared.
+    pub(crate) locked: u64,
+}
+
+impl PinTable {
+    /// An empty table for `npages` pages (allocates only the chunk slots).
+    pub(crate) fn new(npages: u64) -> PinTable {
+        let nchunks = npages.div_ceil(CHUNK_PAGES as u64) as usize;
+        PinTable {
+            chunks: (0..nchunks).map(|_| OnceLock::new()).collect(),
+            npages,
+            pinned: AtomicU64::new(0),
+            locked: AtomicU64::new(0),
+        }
+    }
+
+    /// The word of `page` if its chunk exists.
+    #[inline]
+    fn word(&self, page: u64) -> Option<&AtomicU32> {
+        let chunk = self.chunks.get((page >> CHUNK_SHIFT) as usize)?.get()?;
+        Some(&chunk[(page as usize) & (CHUNK_PAGES - 1)])
+    }
+
+    /// The word of `page`, allocating its chunk. `page < npages`.
+    #[inline]
+    fn word_mut(&self, page: u64) -> &AtomicU32 {
+        let chunk = self.chunks[(page >> CHUNK_SHIFT) as usize]
+            .get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU32::new(0))));
+        &chunk[(page as usize) & (CHUNK_PAGES - 1)]
+    }
+
+    /// Current word of `page` (0 when never pinned).
+    #[inline]
+    pub(crate) fn get(&self, page: u64) -> u32 {
+        self.word(page).map_or(0, |w| w.load(Relaxed))
+    }
+
+    /// Count the pages of `[lo, hi)` with pin count 0 (the ones a pin would newly pin).
+    /// Fails with the offending page if a count would overflow. Does not mutate.
+    #[inline]
+    pub(crate) fn count_new(&self, lo: u64, hi: u64) -> Result<u64, u64> {
+        let mut new = 0;
+        for page in lo..hi {
+            let count = self.get(page) & COUNT_MASK;
+            if count == 0 {
+                new += 1;
+            } else if count == COUNT_MASK {
+                return Err(page);
+            }
+        }
+        Ok(new)
+    }
+
+    /// Increment the counts of `[lo, hi)` (validated by [`PinTable::count_new`]); pages
+    /// going 0→1 get [`PINNED`] and, if `lock`, [`LOCKED`]; `write` sets [`WRITABLE`].
+    /// Returns the number of pages that went 0→1.
+    #[inline]
+    pub(crate) fn commit_pin(&self, lo: u64, hi: u64, lock: bool, write: bool) -> u64 {
+        let mut new = 0;
+        let fresh = PINNED | if lock { LOCKED } else { 0 };
+        let wflag = if write { WRITABLE } else { 0 };
+        for page in lo..hi {
+            let w = self.word_mut(page);
+            let v = w.load(Relaxed);
+            let v = if v & COUNT_MASK == 0 {
+                new += 1;
+                fresh
+            } else {
+                v
+            };
+            w.store((v + 1) | wflag, Relaxed);
+        }
+        self.pinned.fetch_add(new, Relaxed);
+        if lock {
+            self.locked.fetch_add(new, Relaxed);
+        }
+        new
+    }
+
+    /// Decrement the counts of `[lo, hi)` without releasing anything (flags stay). On a page
+    /// with count 0 the pages already decremented are restored and that page is returned.
+    #[inline]
+    pub(crate) fn decrement(&self, lo: u64, hi: u64) -> Result<(), u64> {
+        for page in lo..hi {
+            let ok = match self.word(page) {
+                Some(w) => {
+                    let v = w.load(Relaxed);
+                    if v & COUNT_MASK == 0 {
+                        false
+                    } else {
+                        w.store(v - 1, Relaxed);
+                        true
+                    }
+                }
+                None => false,
+            };
+            if !ok {
+                self.increment_back(lo, page);
+                return Err(page);
+            }
+        }
+        Ok(())
+    }
+
+    /// Undo a successful [`PinTable::decrement`] of `[lo, hi)`.
+    #[inline]
+    pub(crate) fn increment_back(&self, lo: u64, hi: u64) {
+        for page in lo..hi {
+            if let Some(w) = self.word(page) {
+                let v = w.load(Relaxed);
+                w.store(v + 1, Relaxed);
+            }
+        }
+    }
+
+    /// Release the pages of `[lo, hi)` whose count is 0 but which still carry flags: clear
+    /// the word, and call `unlock(first, end)` once per maximal sub-range of pages that were
+    /// [`LOCKED`]. Updates this table's counters and returns what was released.
+    #[inline]
+    pub(crate) fn release_zeroed(
+        &self,
+        lo: u64,
+        hi: u64,
+        unlock: &mut dyn FnMut(u64, u64),
+    ) -> Released {
+        let mut rel = Released::default();
+        let mut run_start: Option<u64> = None;
+        for page in lo..hi {
+            let mut locked_here = false;
+            if let Some(w) = self.word(page) {
+                let v = w.load(Relaxed);
+                if v & COUNT_MASK == 0 && v != 0 {
+                    if v & PINNED != 0 {
+                        rel.pinned += 1;
+                    }
+                    if v & LOCKED != 0 {
+                        rel.locked += 1;
+                        locked_here = true;
+                    }
+                    w.store(0, Relaxed);
+                }
+            }
+            match (locked_here, run_start) {
+                (true, None) => run_start = Some(page),
+                (false, Some(s)) => {
+                    unlock(s, page);
+                    run_start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(s) = run_start {
+            unlock(s, hi);
+        }
+        self.pinned.fetch_sub(rel.pinned, Relaxed);
+        self.locked.fetch_sub(rel.locked, Relaxed);
+        rel
+    }
+
+    /// Zero the count of every pinned page (leaving flags for [`PinTable::release_zeroed`])
+    /// and return the number of pages that were pinned. Used by a forced release at unmap.
+    pub(crate) fn zero_all_counts(&self) -> u64 {
+        let mut pages = 0;
+        for chunk in self.chunks.iter().filter_map(|c| c.get()) {
+            for w in chunk.iter() {
+                let v = w.load(Relaxed);
+                if v & COUNT_MASK != 0 {
+                    pages += 1;
+                    w.store(v & !COUNT_MASK, Relaxed);
+                }
+            }
+        }
+        pages
+    }
+
+    /// Page ranges `[lo, hi)` of the allocated chunks (what a full scan must visit).
+    pub(crate) fn allocated_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.get().is_some())
+            .map(|(i, _)| {
+                let lo = (i as u64) << CHUNK_SHIFT;
+                (lo, (lo + CHUNK_PAGES as u64).min(self.npages))
+            })
+    }
+
+    /// Recount flags by scanning: (pinned pages, locked pages, pages with count > 0).
+    pub(crate) fn scan(&self) -> (u64, u64, u64) {
+        let (mut p, mut l, mut c) = (0, 0, 0);
+        for (lo, hi) in self.allocated_ranges() {
+            for page in lo..hi {
+                let v = self.get(page);
+                p += u64::from(v & PINNED != 0);
+                l += u64::from(v & LOCKED != 0);
+                c += u64::from(v & COUNT_MASK != 0);
+            }
+        }
+        (p, l, c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_new_huge_region_allocates_no_chunk() {
+        // 64 GiB of 4 KiB pages.
+        let t = PinTable::new(16 << 20);
+        assert_eq!(t.allocated_ranges().count(), 0);
+        assert_eq!(t.get(12345), 0);
+        assert_eq!(t.count_new(0, 16), Ok(16));
+    }
+
+    #[test]
+    fn test_commit_then_release_restores_empty_state() {
+        let t = PinTable::new(4096);
+        assert_eq!(t.commit_pin(10, 20, true, false), 10);
+        assert_eq!(t.commit_pin(15, 25, true, true), 5);
+        assert_eq!(t.pinned.load(Relaxed), 15);
+        assert_eq!(t.locked.load(Relaxed), 15);
+        t.decrement(15, 20).unwrap();
+        t.decrement(10, 25).unwrap();
+        let mut unlocked = Vec::new();
+        let rel = t.release_zeroed(10, 25, &mut |a, b| unlocked.push((a, b)));
+        assert_eq!(
+            rel,
+            Released {
+                pinned: 15,
+                locked: 15
+            }
+        );
+        assert_eq!(unlocked, vec![(10, 25)]);
+        assert_eq!(t.scan(), (0, 0, 0));
+    }
+
+    #[test]
+    fn test_decrement_unpinned_page_restores_and_fails() {
+        let t = PinTable::new(64);
+        t.commit_pin(0, 3, false, false);
+        assert_eq!(t.decrement(0, 5), Err(3));
+        assert_eq!(t.get(0) & COUNT_MASK, 1);
+        assert_eq!(t.get(2) & COUNT_MASK, 1);
+    }
+
+    #[test]
+    fn test_release_zeroed_partial_unlock_splits_subranges() {
+        let t = PinTable::new(64);
+        t.commit_pin(0, 6, true, false);
+        t.commit_pin(2, 3, true, false); // page 2 count 2
+        t.decrement(0, 6).unwrap();
+        let mut unlocked = Vec::new();
+        let rel = t.release_zeroed(0, 6, &mut |a, b| unlocked.push((a, b)));
+        assert_eq!(rel.locked, 5);
+        assert_eq!(unlocked, vec![(0, 2), (3, 6)]);
+        assert_eq!(t.scan(), (1, 1, 1));
+    }
+}

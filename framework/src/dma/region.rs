@@ -1,0 +1,201 @@
+//! One DMA mapping: its range, permission, host mapping (if fd-backed), pin table, dirty
+//! log, and the in-flight counter that lets unmap wait for accesses to finish.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::Mutex;
+
+use arc_swap::ArcSwapOption;
+
+use super::dirty::DirtyBitmap;
+use super::pin_table::PinTable;
+use super::{Prot, PAGE_SHIFT};
+
+/// An owned `mmap` of client memory (or, after a forced release, of scratch memory);
+/// unmapped on drop.
+pub(crate) struct HostMem {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: HostMem is only an owned address range; it is never dereferenced through this
+// type, and munmap may be called from any thread.
+unsafe impl Send for HostMem {}
+
+impl HostMem {
+    /// `mmap(MAP_SHARED)` `len` bytes of `fd` at `offset` with `prot`.
+    pub(crate) fn map_fd(
+        fd: BorrowedFd<'_>,
+        len: usize,
+        offset: u64,
+        prot: Prot,
+    ) -> io::Result<Self> {
+        let offset = libc::off_t::try_from(offset)
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL, no MAP_FIXED): it cannot
+        // alias any Rust object; the fd is valid for the call.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot_bits(prot),
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                offset,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(HostMem { addr, len })
+    }
+
+    /// Start address.
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr as u64
+    }
+
+    /// Replace the whole range, in place, with private anonymous zero memory, dropping this
+    /// process's reference to the client's pages. Used when a device left pins behind at
+    /// unmap: its stale host addresses keep pointing at valid (scratch) memory that aliases
+    /// neither guest memory nor any other allocation. On failure the original mapping stays.
+    pub(crate) fn replace_with_scratch(&self) -> io::Result<()> {
+        // SAFETY: MAP_FIXED over a range this HostMem owns exclusively (no other mapping can
+        // live there); no Rust reference points into it (guest memory is only accessed by raw
+        // copies, and in-flight accesses were waited for by the caller).
+        let addr = unsafe {
+            libc::mmap(
+                self.addr,
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HostMem {
+    fn drop(&mut self) {
+        // SAFETY: the range was mapped by us and is owned by this value only; callers drop it
+        // only once no access can be in flight (see DmaSpace::unmap).
+        let rc = unsafe { libc::munmap(self.addr, self.len) };
+        if rc != 0 {
+            tracing::error!(addr = ?self.addr, len = self.len, err = %io::Error::last_os_error(), "munmap of a DMA mapping failed");
+        }
+    }
+}
+
+/// mmap protection bits of a [`Prot`].
+pub(crate) fn prot_bits(prot: Prot) -> libc::c_int {
+    let mut bits = libc::PROT_NONE;
+    if prot.read {
+        bits |= libc::PROT_READ;
+    }
+    if prot.write {
+        bits |= libc::PROT_WRITE;
+    }
+    bits
+}
+
+/// One DMA mapping.
+pub(crate) struct Region {
+    /// First IOVA.
+    pub(crate) iova: u64,
+    /// Size in bytes (multiple of the page size).
+    pub(crate) size: u64,
+    /// One past the last IOVA (`iova + size`, checked at map time).
+    pub(crate) end: u64,
+    /// First IOVA page number.
+    pub(crate) start_pfn: u64,
+    /// One past the last IOVA page number.
+    pub(crate) end_pfn: u64,
+    /// Permission granted by the client.
+    pub(crate) prot: Prot,
+    /// Host address of `iova`, or 0 for an fd-less mapping.
+    pub(crate) host: u64,
+    /// The owned mapping; taken by unmap.
+    pub(crate) mem: Mutex<Option<HostMem>>,
+    /// Per-page pin state.
+    pub(crate) pins: PinTable,
+    /// Set (under the pin lock) when unmap starts: no new pins.
+    pub(crate) closing: AtomicBool,
+    /// Set when the region left the map table: no new accesses.
+    pub(crate) removed: AtomicBool,
+    /// Accesses (dma_rw chunks) currently touching the host mapping.
+    pub(crate) inflight: AtomicU64,
+    /// Dirty log while logging is on.
+    pub(crate) dirty: ArcSwapOption<DirtyBitmap>,
+}
+
+impl Region {
+    /// A region for `[iova, iova + size)`, validated by the caller.
+    pub(crate) fn new(iova: u64, size: u64, prot: Prot, mem: Option<HostMem>) -> Region {
+        let end = iova + size;
+        Region {
+            iova,
+            size,
+            end,
+            start_pfn: iova >> PAGE_SHIFT,
+            end_pfn: end >> PAGE_SHIFT,
+            prot,
+            host: mem.as_ref().map_or(0, HostMem::addr),
+            mem: Mutex::new(mem),
+            pins: PinTable::new(size >> PAGE_SHIFT),
+            closing: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
+            dirty: ArcSwapOption::empty(),
+        }
+    }
+
+    /// True for a mapping the client sent without an fd.
+    #[inline]
+    pub(crate) fn is_fdless(&self) -> bool {
+        self.host == 0
+    }
+
+    /// Register an access to the host mapping; `None` if the region is being removed.
+    #[inline]
+    pub(crate) fn enter(&self) -> Option<InflightGuard<'_>> {
+        self.inflight.fetch_add(1, SeqCst);
+        let guard = InflightGuard { region: self };
+        if self.removed.load(SeqCst) {
+            return None; // guard drops and decrements
+        }
+        Some(guard)
+    }
+
+    /// Mark removed and wait until no access is in flight (pairs with [`Region::enter`]).
+    pub(crate) fn remove_and_drain(&self) {
+        self.removed.store(true, SeqCst);
+        let mut spins = 0u32;
+        while self.inflight.load(SeqCst) != 0 {
+            spins = spins.saturating_add(1);
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 1024 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+/// An access in flight; decrements the counter on drop.
+pub(crate) struct InflightGuard<'a> {
+    region: &'a Region,
+}
+
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        self.region.inflight.fetch_sub(1, SeqCst);
+    }
+}
