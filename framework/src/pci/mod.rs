@@ -1,18 +1,71 @@
 //! PCI plumbing: config space, BAR sizing, capability list, MSI/MSI-X, INTx.
 //!
-//! SKELETON — the public API below is the contract devices code against; the implementation
-//! is being written.
-//!
 //! A PCI device implements [`PciDevice`] (its BARs only) and is served through
 //! [`PciAdapter`], which implements [`crate::device::Device`]: config space (region 7), BAR
 //! sizing, command/status, the capability list with MSI and MSI-X (table and PBA emulated in
-//! a BAR), INTx, and the vfio-user IRQ indexes.
+//! a BAR), INTx, and the vfio-user IRQ indexes. `protocol-docs/pci.md` describes the
+//! emulation for device authors.
+//!
+//! Files: `config_space.rs` (bytes and write masks), `header.rs` (the type-0 header and
+//! capability chain), `bar.rs` (BAR registers and access routing), `msi.rs`, `msix.rs`
+//! (capabilities, MSI-X table and PBA), `shared_memory.rs` (memfd-backed BARs),
+//! `validate.rs` (checks on [`PciConfig`]), `adapter.rs` ([`PciAdapter`]).
+//!
+//! ```
+//! use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
+//! use umdev::device::Device;
+//!
+//! struct Scratch([u8; 16]);
+//! impl PciDevice for Scratch {
+//!     fn config(&self) -> PciConfig {
+//!         PciConfig {
+//!             ids: PciIds { vendor: 0x1b36, device: 0x0005, ..Default::default() },
+//!             bars: vec![BarSpec { index: 0, size: 16, kind: BarKind::Mmio32,
+//!                                  prefetchable: false, shared: None }],
+//!             msi_vectors: 1,
+//!             ..Default::default()
+//!         }
+//!     }
+//!     fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
+//!         let start = offset as usize;
+//!         data.copy_from_slice(&self.0[start..start + data.len()]);
+//!     }
+//!     fn bar_write(&mut self, _bar: usize, offset: u64, data: &[u8]) {
+//!         let start = offset as usize;
+//!         self.0[start..start + data.len()].copy_from_slice(data);
+//!     }
+//! }
+//!
+//! let mut dev = PciAdapter::new(Scratch([0; 16])).unwrap();
+//! dev.region_write(0, 4, &[1, 2]).unwrap();
+//! let mut id = [0u8; 2];
+//! dev.region_read(7, 0, &mut id).unwrap();
+//! assert_eq!(u16::from_le_bytes(id), 0x1b36);
+//! ```
+
+mod adapter;
+mod bar;
+mod config_space;
+mod header;
+mod msi;
+mod msix;
+mod shared_memory;
+mod validate;
+
+#[cfg(test)]
+mod adapter_config_tests;
+#[cfg(test)]
+mod adapter_irq_tests;
+#[cfg(test)]
+mod test_device;
 
 use std::sync::Arc;
 
-use crate::device::{Device, DeviceError, DeviceInfo};
 use crate::dma::DmaHandle;
 use crate::irq::Interrupts;
+
+pub use adapter::PciAdapter;
+pub use shared_memory::SharedMemory;
 
 /// PCI identity of a device.
 #[derive(Clone, Copy, Debug, Default)]
@@ -88,19 +141,6 @@ pub struct PciConfig {
     pub msix: Option<MsixSpec>,
 }
 
-/// Memory shared with the client (a memfd), mapped in this process too.
-#[derive(Debug)]
-pub struct SharedMemory {
-    _private: (),
-}
-
-impl SharedMemory {
-    /// Create `size` bytes (rounded up to the page size) of zeroed shared memory.
-    pub fn new(_name: &str, _size: u64) -> std::io::Result<SharedMemory> {
-        todo!("pci: SharedMemory::new")
-    }
-}
-
 /// What a PCI device implements: its BARs and lifecycle. Config space is the framework's.
 pub trait PciDevice: Send {
     /// Identity, BARs and interrupt capabilities. Called once when the adapter is built.
@@ -124,48 +164,4 @@ pub trait PciDevice: Send {
 
     /// The client went away; device state is kept.
     fn disconnected(&mut self) {}
-}
-
-/// Serves a [`PciDevice`] as a vfio-user [`Device`].
-pub struct PciAdapter<D: PciDevice> {
-    _dev: D,
-}
-
-impl<D: PciDevice> PciAdapter<D> {
-    /// Wrap a device; validates its [`PciConfig`] (BAR sizes and slots, MSI-X placement).
-    pub fn new(_dev: D) -> Result<PciAdapter<D>, DeviceError> {
-        todo!("pci: PciAdapter::new")
-    }
-
-    /// The wrapped device.
-    pub fn device(&self) -> &D {
-        &self._dev
-    }
-
-    /// The wrapped device, mutably.
-    pub fn device_mut(&mut self) -> &mut D {
-        &mut self._dev
-    }
-}
-
-impl<D: PciDevice> Device for PciAdapter<D> {
-    fn info(&self) -> DeviceInfo {
-        todo!("pci: info")
-    }
-    fn region_read(
-        &mut self,
-        _region: u32,
-        _offset: u64,
-        _data: &mut [u8],
-    ) -> Result<(), DeviceError> {
-        todo!("pci: region_read")
-    }
-    fn region_write(
-        &mut self,
-        _region: u32,
-        _offset: u64,
-        _data: &[u8],
-    ) -> Result<(), DeviceError> {
-        todo!("pci: region_write")
-    }
 }

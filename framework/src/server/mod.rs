@@ -1,3 +1,36 @@
 //! The vfio-user server engine: sockets, connection loop, fd passing, server→client requests.
 //!
-//! SKELETON — being written.
+//! A [`Server`] owns one device (`Box<dyn Device>`) and its [`crate::dma::DmaSpace`], which
+//! lives as long as the server, across client reconnects. [`Server::spawn`] binds the
+//! socket (mode 0600 by default; a live socket is never clobbered, a stale one is
+//! removed), attaches the device to the DMA space once, and serves one client at a time on
+//! a connection thread; a second simultaneous client is refused with a log line.
+//!
+//! Per connection ([`connection`]): VERSION first, then every command is decoded by
+//! [`crate::protocol`], bounds-checked against the device's regions and IRQs, and
+//! dispatched ([`dispatch`]): DMA_MAP/UNMAP and DMA logging to the DMA space, the rest to
+//! the device. Errors go back as error replies with a fitting errno (never 0); commands
+//! with No_reply get no reply at all. On disconnect all DMA maps are removed, the
+//! server→client path is uninstalled and the device drops its IRQ fds; device state stays.
+//!
+//! Server→client DMA_READ/DMA_WRITE ([`remote_dma`]) may be issued from any thread while
+//! the client is talking: requests are matched to replies by message id, replies are
+//! routed by whoever is reading the socket ([`channel`] explains the leader/follower rule
+//! that keeps the connection thread from deadlocking), transfers are split to the
+//! negotiated max_data_xfer_size, a missing reply times out, and a disconnect fails every
+//! pending request. In twin-socket mode the requests use a separate socket with its own
+//! reader thread. Every message is handled in a `tracing` span (id, command, size, errno).
+
+pub mod channel;
+mod config;
+pub mod connection;
+mod dispatch;
+mod error;
+pub mod listener;
+pub mod remote_dma;
+mod running;
+pub mod socket_io;
+
+pub use config::ServerConfig;
+pub use error::ServerError;
+pub use running::{RunningServer, Server, ShutdownHandle};

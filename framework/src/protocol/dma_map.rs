@@ -1,0 +1,250 @@
+//! DMA_MAP and DMA_UNMAP requests and the DMA_UNMAP reply.
+
+use super::wire::{Put, Reader};
+use super::ProtocolError;
+
+/// DMA_MAP flag: the device may read the region.
+pub const DMA_MAP_FLAG_READ: u32 = 1 << 0;
+/// DMA_MAP flag: the device may write the region.
+pub const DMA_MAP_FLAG_WRITE: u32 = 1 << 1;
+/// Size of the DMA_MAP payload.
+pub const DMA_MAP_SIZE: usize = 32;
+/// Size of the DMA_UNMAP payload (and of its reply).
+pub const DMA_UNMAP_SIZE: usize = 24;
+/// Legacy DMA_UNMAP flag bits (kernel GET_DIRTY_BITMAP = 1, ALL = 2; the `vfio_user` crate's
+/// GET_DIRTY_PAGE_INFO = 2, UNMAP_ALL = 4). The current spec defines no flags, the legacy
+/// users disagree on the bit values, so umdev answers them with ENOTSUP.
+pub const DMA_UNMAP_LEGACY_FLAGS: u32 = 0x7;
+
+/// A validated DMA_MAP request (the fd travels separately).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaMapRequest {
+    /// READ/WRITE bits.
+    pub flags: u32,
+    /// Offset in the fd (meaningless without one).
+    pub offset: u64,
+    /// IOVA of the start.
+    pub iova: u64,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+impl DmaMapRequest {
+    /// Decode and validate: payload and argsz exactly 32 bytes, flags only READ|WRITE and
+    /// at least one, size non-zero, iova and size aligned to `pgsize`, no wrap-around of
+    /// iova+size or offset+size, at most one fd.
+    pub fn decode(payload: &[u8], nfds: usize, pgsize: u64) -> Result<Self, ProtocolError> {
+        if payload.len() != DMA_MAP_SIZE {
+            return Err(ProtocolError::BadPayloadSize {
+                what: "DMA_MAP",
+                expected: DMA_MAP_SIZE,
+                got: payload.len(),
+            });
+        }
+        let mut r = Reader::new(payload, "DMA_MAP");
+        let argsz = r.u32()?;
+        let flags = r.u32()?;
+        let offset = r.u64()?;
+        let iova = r.u64()?;
+        let size = r.u64()?;
+        if argsz as usize != DMA_MAP_SIZE {
+            return Err(ProtocolError::invalid(
+                "DMA_MAP argsz",
+                format!("{argsz}, must be {DMA_MAP_SIZE}"),
+            ));
+        }
+        if flags & !(DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE) != 0 || flags == 0 {
+            return Err(ProtocolError::BadFlags {
+                what: "DMA_MAP",
+                flags,
+            });
+        }
+        if nfds > 1 {
+            return Err(ProtocolError::WrongFdCount {
+                what: "DMA_MAP",
+                expected: "0 or 1",
+                got: nfds,
+            });
+        }
+        check_range("DMA_MAP", iova, size, pgsize)?;
+        if nfds == 1 {
+            if offset.checked_add(size).is_none() {
+                return Err(ProtocolError::invalid(
+                    "DMA_MAP offset",
+                    format!("offset {offset:#x} + size {size:#x} wraps"),
+                ));
+            }
+            if !offset.is_multiple_of(pgsize) {
+                return Err(ProtocolError::invalid(
+                    "DMA_MAP offset",
+                    format!("offset {offset:#x} is not {pgsize}-aligned"),
+                ));
+            }
+        }
+        Ok(DmaMapRequest {
+            flags,
+            offset,
+            iova,
+            size,
+        })
+    }
+
+    /// Encode the payload (for test clients).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(DMA_MAP_SIZE);
+        v.put_u32(DMA_MAP_SIZE as u32);
+        v.put_u32(self.flags);
+        v.put_u64(self.offset);
+        v.put_u64(self.iova);
+        v.put_u64(self.size);
+        v
+    }
+}
+
+fn check_range(what: &'static str, iova: u64, size: u64, pgsize: u64) -> Result<(), ProtocolError> {
+    if size == 0 {
+        return Err(ProtocolError::invalid(what, "size is 0"));
+    }
+    if iova.checked_add(size).is_none() {
+        return Err(ProtocolError::invalid(
+            what,
+            format!("iova {iova:#x} + size {size:#x} wraps"),
+        ));
+    }
+    if pgsize != 0 && (!iova.is_multiple_of(pgsize) || !size.is_multiple_of(pgsize)) {
+        return Err(ProtocolError::invalid(
+            what,
+            format!("iova {iova:#x} / size {size:#x} not aligned to {pgsize}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A validated DMA_UNMAP request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmaUnmapRequest {
+    /// argsz as sent (echoed in the reply).
+    pub argsz: u32,
+    /// IOVA of the mapping.
+    pub iova: u64,
+    /// Size of the mapping.
+    pub size: u64,
+}
+
+impl DmaUnmapRequest {
+    /// Decode and validate: payload 24 bytes, argsz ≥ 24, flags 0 (legacy bits ENOTSUP,
+    /// others EINVAL), size non-zero and aligned, no wrap, no fds.
+    pub fn decode(payload: &[u8], nfds: usize, pgsize: u64) -> Result<Self, ProtocolError> {
+        if payload.len() != DMA_UNMAP_SIZE {
+            return Err(ProtocolError::BadPayloadSize {
+                what: "DMA_UNMAP",
+                expected: DMA_UNMAP_SIZE,
+                got: payload.len(),
+            });
+        }
+        if nfds != 0 {
+            return Err(ProtocolError::WrongFdCount {
+                what: "DMA_UNMAP",
+                expected: "0",
+                got: nfds,
+            });
+        }
+        let mut r = Reader::new(payload, "DMA_UNMAP");
+        let argsz = r.u32()?;
+        let flags = r.u32()?;
+        let iova = r.u64()?;
+        let size = r.u64()?;
+        if (argsz as usize) < DMA_UNMAP_SIZE {
+            return Err(ProtocolError::ArgszTooSmall {
+                what: "DMA_UNMAP",
+                argsz,
+                min: DMA_UNMAP_SIZE as u32,
+            });
+        }
+        if flags & !DMA_UNMAP_LEGACY_FLAGS != 0 {
+            return Err(ProtocolError::BadFlags {
+                what: "DMA_UNMAP",
+                flags,
+            });
+        }
+        if flags != 0 {
+            return Err(ProtocolError::Unsupported(
+                "legacy DMA_UNMAP flags (UNMAP_ALL / GET_DIRTY_BITMAP)",
+            ));
+        }
+        check_range("DMA_UNMAP", iova, size, pgsize)?;
+        Ok(DmaUnmapRequest { argsz, iova, size })
+    }
+
+    /// The reply payload: the request's entry, echoed (flags 0).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(DMA_UNMAP_SIZE);
+        v.put_u32(DMA_UNMAP_SIZE as u32);
+        v.put_u32(0);
+        v.put_u64(self.iova);
+        v.put_u64(self.size);
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(flags: u32, iova: u64, size: u64) -> Vec<u8> {
+        DmaMapRequest {
+            flags,
+            offset: 0,
+            iova,
+            size,
+        }
+        .encode()
+    }
+
+    #[test]
+    fn test_dma_map_valid_decodes() {
+        let m = DmaMapRequest::decode(&map(3, 0x1000, 0x2000), 1, 4096).unwrap();
+        assert_eq!((m.iova, m.size, m.flags), (0x1000, 0x2000, 3));
+    }
+
+    #[test]
+    fn test_dma_map_bad_inputs_rejected() {
+        assert!(DmaMapRequest::decode(&map(4, 0, 4096), 0, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(0, 0, 4096), 0, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(1, 0, 0), 0, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(1, u64::MAX - 4095, 8192), 0, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(1, 0x800, 4096), 0, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(1, 0, 4096), 2, 4096).is_err());
+        assert!(DmaMapRequest::decode(&map(1, 0, 4096)[..31], 0, 4096).is_err());
+        let mut bad_argsz = map(1, 0, 4096);
+        bad_argsz[0] = 16;
+        assert!(DmaMapRequest::decode(&bad_argsz, 0, 4096).is_err());
+    }
+
+    fn unmap(flags: u32) -> Vec<u8> {
+        let mut v = Vec::new();
+        v.put_u32(24);
+        v.put_u32(flags);
+        v.put_u64(0x1000);
+        v.put_u64(0x1000);
+        v
+    }
+
+    #[test]
+    fn test_dma_unmap_legacy_flags_enotsup_others_einval() {
+        assert!(DmaUnmapRequest::decode(&unmap(0), 0, 4096).is_ok());
+        assert_eq!(
+            DmaUnmapRequest::decode(&unmap(4), 0, 4096)
+                .unwrap_err()
+                .errno(),
+            libc::ENOTSUP
+        );
+        assert_eq!(
+            DmaUnmapRequest::decode(&unmap(8), 0, 4096)
+                .unwrap_err()
+                .errno(),
+            libc::EINVAL
+        );
+        assert!(DmaUnmapRequest::decode(&unmap(0), 1, 4096).is_err());
+    }
+}

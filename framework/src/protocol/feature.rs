@@ -1,0 +1,293 @@
+//! DEVICE_FEATURE (DMA logging start/stop/report; everything else ENOTSUP) and
+//! MIG_DATA_READ/WRITE (ENOTSUP until migration exists).
+
+use vfio_bindings::bindings::vfio::{
+    VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+    VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
+    VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
+};
+
+use super::wire::{Put, Reader};
+use super::ProtocolError;
+
+/// Size of the DEVICE_FEATURE fixed part (argsz, flags).
+pub const FEATURE_HEADER_SIZE: usize = 8;
+/// Most ranges umdev accepts in DMA_LOGGING_START.
+pub const MAX_LOGGING_RANGES: u32 = 1024;
+
+/// A decoded DEVICE_FEATURE request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeatureRequest {
+    /// PROBE of a supported feature/operation: the reply echoes the request payload.
+    Probe,
+    /// DMA_LOGGING_START (SET).
+    LoggingStart {
+        /// Requested tracking page size.
+        page_size: u64,
+        /// IOVA ranges (iova, length); empty = everything.
+        ranges: Vec<(u64, u64)>,
+    },
+    /// DMA_LOGGING_STOP (SET).
+    LoggingStop,
+    /// DMA_LOGGING_REPORT (GET).
+    LoggingReport {
+        /// Start of the range.
+        iova: u64,
+        /// Length of the range.
+        length: u64,
+        /// Bitmap granularity.
+        page_size: u64,
+        /// Bytes of bitmap to return (u64 words, ≥ 1 bit per page).
+        bitmap_len: usize,
+    },
+}
+
+/// Decode DEVICE_FEATURE. `max_bitmap` bounds the REPORT bitmap in bytes.
+pub fn decode_feature(
+    payload: &[u8],
+    nfds: usize,
+    max_bitmap: usize,
+) -> Result<FeatureRequest, ProtocolError> {
+    if nfds != 0 {
+        return Err(ProtocolError::WrongFdCount {
+            what: "DEVICE_FEATURE",
+            expected: "0",
+            got: nfds,
+        });
+    }
+    let mut r = Reader::new(payload, "DEVICE_FEATURE");
+    let argsz = r.u32()?;
+    let flags = r.u32()?;
+    if (argsz as usize) < FEATURE_HEADER_SIZE {
+        return Err(ProtocolError::ArgszTooSmall {
+            what: "DEVICE_FEATURE",
+            argsz,
+            min: FEATURE_HEADER_SIZE as u32,
+        });
+    }
+    let ops = flags & !VFIO_DEVICE_FEATURE_MASK;
+    let all_ops = VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_PROBE;
+    let get = ops & VFIO_DEVICE_FEATURE_GET != 0;
+    let set = ops & VFIO_DEVICE_FEATURE_SET != 0;
+    let probe = ops & VFIO_DEVICE_FEATURE_PROBE != 0;
+    if ops & !all_ops != 0 || ops == 0 || (get && set && !probe) {
+        return Err(ProtocolError::BadFlags {
+            what: "DEVICE_FEATURE",
+            flags,
+        });
+    }
+    let feature = flags & VFIO_DEVICE_FEATURE_MASK;
+    let (can_get, can_set) = match feature {
+        VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
+            (false, true)
+        }
+        VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+        _ => return Err(ProtocolError::Unsupported("this device feature")),
+    };
+    if (get && !can_get) || (set && !can_set) {
+        return Err(ProtocolError::invalid(
+            "DEVICE_FEATURE",
+            format!("feature {feature} does not support the requested operation {ops:#x}"),
+        ));
+    }
+    if probe {
+        return Ok(FeatureRequest::Probe);
+    }
+    match feature {
+        VFIO_DEVICE_FEATURE_DMA_LOGGING_START => {
+            let page_size = r.u64()?;
+            let num_ranges = r.u32()?;
+            let _reserved = r.u32()?;
+            if num_ranges > MAX_LOGGING_RANGES {
+                return Err(ProtocolError::invalid(
+                    "DMA_LOGGING_START num_ranges",
+                    format!("{num_ranges} > {MAX_LOGGING_RANGES}"),
+                ));
+            }
+            if r.remaining() != num_ranges as usize * 16 {
+                return Err(ProtocolError::BadPayloadSize {
+                    what: "DMA_LOGGING_START",
+                    expected: FEATURE_HEADER_SIZE + 16 + num_ranges as usize * 16,
+                    got: payload.len(),
+                });
+            }
+            if !page_size.is_power_of_two() {
+                return Err(ProtocolError::invalid(
+                    "DMA_LOGGING_START page_size",
+                    format!("{page_size:#x} is not a power of two"),
+                ));
+            }
+            let mut ranges = Vec::with_capacity(num_ranges as usize);
+            for _ in 0..num_ranges {
+                let iova = r.u64()?;
+                let len = r.u64()?;
+                if len == 0 || iova.checked_add(len).is_none() {
+                    return Err(ProtocolError::invalid(
+                        "DMA_LOGGING_START range",
+                        format!("iova {iova:#x} length {len:#x}"),
+                    ));
+                }
+                ranges.push((iova, len));
+            }
+            Ok(FeatureRequest::LoggingStart { page_size, ranges })
+        }
+        VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => Ok(FeatureRequest::LoggingStop),
+        _ => {
+            let iova = r.u64()?;
+            let length = r.u64()?;
+            let page_size = r.u64()?;
+            if r.remaining() != 0 {
+                return Err(ProtocolError::BadPayloadSize {
+                    what: "DMA_LOGGING_REPORT",
+                    expected: FEATURE_HEADER_SIZE + 24,
+                    got: payload.len(),
+                });
+            }
+            if !page_size.is_power_of_two() || length == 0 || iova.checked_add(length).is_none() {
+                return Err(ProtocolError::invalid(
+                    "DMA_LOGGING_REPORT",
+                    format!("iova {iova:#x} length {length:#x} page_size {page_size:#x}"),
+                ));
+            }
+            let pages = length.div_ceil(page_size);
+            let bitmap_len = pages.div_ceil(64).saturating_mul(8);
+            if bitmap_len > max_bitmap as u64 {
+                return Err(ProtocolError::TransferTooLarge {
+                    count: bitmap_len,
+                    max: max_bitmap as u64,
+                });
+            }
+            let bitmap_len = bitmap_len as usize;
+            let need = FEATURE_HEADER_SIZE + 24 + bitmap_len;
+            if (argsz as usize) < need {
+                return Err(ProtocolError::ArgszTooSmall {
+                    what: "DMA_LOGGING_REPORT",
+                    argsz,
+                    min: need as u32,
+                });
+            }
+            Ok(FeatureRequest::LoggingReport {
+                iova,
+                length,
+                page_size,
+                bitmap_len,
+            })
+        }
+    }
+}
+
+/// Encode a DEVICE_FEATURE payload (for test clients).
+pub fn encode_feature(argsz: u32, flags: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(FEATURE_HEADER_SIZE + data.len());
+    v.put_u32(argsz);
+    v.put_u32(flags);
+    v.extend_from_slice(data);
+    v
+}
+
+/// Validate MIG_DATA_READ (argsz, size) or MIG_DATA_WRITE (argsz, size, data); both are
+/// answered with ENOTSUP since umdev has no migration yet, but malformed ones get EINVAL.
+pub fn decode_mig_data(payload: &[u8], write: bool) -> Result<(), ProtocolError> {
+    let mut r = Reader::new(payload, "MIG_DATA");
+    let _argsz = r.u32()?;
+    let size = r.u32()?;
+    if write && r.remaining() != size as usize {
+        return Err(ProtocolError::BadPayloadSize {
+            what: "MIG_DATA_WRITE",
+            expected: 8 + size as usize,
+            got: payload.len(),
+        });
+    }
+    if !write && r.remaining() != 0 {
+        return Err(ProtocolError::BadPayloadSize {
+            what: "MIG_DATA_READ",
+            expected: 8,
+            got: payload.len(),
+        });
+    }
+    Err(ProtocolError::Unsupported("migration"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_feature_probe_logging_ok_migration_enotsup() {
+        let p = encode_feature(
+            8,
+            VFIO_DEVICE_FEATURE_PROBE
+                | VFIO_DEVICE_FEATURE_SET
+                | VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+            &[],
+        );
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::Probe
+        );
+        let p = encode_feature(8, VFIO_DEVICE_FEATURE_PROBE | 1, &[]);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::ENOTSUP
+        );
+    }
+
+    #[test]
+    fn test_feature_logging_start_ranges_decoded() {
+        let mut d = Vec::new();
+        d.put_u64(4096);
+        d.put_u32(1);
+        d.put_u32(0);
+        d.put_u64(0x10000);
+        d.put_u64(0x4000);
+        let p = encode_feature(8 + d.len() as u32, VFIO_DEVICE_FEATURE_SET | 6, &d);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::LoggingStart {
+                page_size: 4096,
+                ranges: vec![(0x10000, 0x4000)]
+            }
+        );
+        assert!(decode_feature(&p[..p.len() - 1], 0, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn test_feature_report_bitmap_size_and_argsz() {
+        let mut d = Vec::new();
+        d.put_u64(0);
+        d.put_u64(65 * 4096);
+        d.put_u64(4096);
+        let p = encode_feature(8 + 24 + 16, VFIO_DEVICE_FEATURE_GET | 8, &d);
+        match decode_feature(&p, 0, 1 << 20).unwrap() {
+            FeatureRequest::LoggingReport { bitmap_len, .. } => assert_eq!(bitmap_len, 16),
+            other => panic!("{other:?}"),
+        }
+        let p = encode_feature(8 + 24, VFIO_DEVICE_FEATURE_GET | 8, &d);
+        assert!(decode_feature(&p, 0, 1 << 20).is_err());
+        let p = encode_feature(8 + 24 + 16, VFIO_DEVICE_FEATURE_SET | 8, &d);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::EINVAL
+        );
+    }
+
+    #[test]
+    fn test_feature_bad_flags_rejected() {
+        let p = encode_feature(8, 6, &[]);
+        assert!(decode_feature(&p, 0, 1 << 20).is_err(), "no op bits");
+        let p = encode_feature(8, VFIO_DEVICE_FEATURE_SET | (1 << 20) | 6, &[]);
+        assert!(decode_feature(&p, 0, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn test_mig_data_is_enotsup_or_einval() {
+        let mut p = Vec::new();
+        p.put_u32(8);
+        p.put_u32(4);
+        assert_eq!(
+            decode_mig_data(&p, false).unwrap_err().errno(),
+            libc::ENOTSUP
+        );
+        assert_eq!(decode_mig_data(&p, true).unwrap_err().errno(), libc::EINVAL);
+    }
+}

@@ -1,0 +1,63 @@
+//! Server configuration.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::protocol::version::{
+    ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
+};
+
+/// How a [`super::Server`] listens and what it offers in VERSION.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Path of the UNIX socket.
+    pub socket_path: PathBuf,
+    /// Permission bits of the socket file (default 0o600: only the owner may connect).
+    pub socket_mode: u32,
+    /// Most fds accepted with one message (≤ 16 is what QEMU accepts in our reply).
+    pub max_msg_fds: u32,
+    /// Largest data transfer accepted or sent (REGION_READ/WRITE, DMA_READ/WRITE).
+    pub max_data_xfer_size: u32,
+    /// Most DMA maps advertised (the [`crate::dma::DmaSpace`] enforces its own limit).
+    pub max_dma_maps: u32,
+    /// DMA page size (mappings must be aligned to it).
+    pub pgsize: u64,
+    /// Offer twin-socket mode to clients that support it.
+    pub twin_socket: bool,
+    /// How long a server→client DMA_READ/DMA_WRITE waits for its reply.
+    pub remote_dma_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for a socket at `socket_path`.
+    pub fn new(socket_path: impl Into<PathBuf>) -> Self {
+        ServerConfig {
+            socket_path: socket_path.into(),
+            socket_mode: 0o600,
+            max_msg_fds: 16,
+            max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
+            max_dma_maps: DEFAULT_MAX_DMA_MAPS,
+            pgsize: 4096,
+            twin_socket: true,
+            remote_dma_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The VERSION offer derived from this configuration (values clamped to the ranges
+    /// QEMU accepts).
+    pub fn offer(&self) -> ServerOffer {
+        ServerOffer {
+            max_msg_fds: self.max_msg_fds.clamp(1, 16),
+            max_data_xfer_size: self.max_data_xfer_size.clamp(4096, MAX_MAX_DATA_XFER_SIZE),
+            max_dma_maps: self.max_dma_maps.clamp(1, 65535),
+            pgsize: self.pgsize,
+            twin_socket: self.twin_socket,
+        }
+    }
+
+    /// Largest whole message accepted: the transfer limit plus room for headers and the
+    /// largest fixed-size commands (WRITE_MULTI, DMA logging ranges).
+    pub fn max_message_size(&self) -> u32 {
+        self.offer().max_data_xfer_size.saturating_add(64 * 1024)
+    }
+}

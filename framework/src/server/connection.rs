@@ -1,0 +1,259 @@
+//! One client connection: negotiation, the message loop, and teardown on disconnect.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use tracing::{debug, debug_span, info, warn};
+
+use super::channel::{Channel, Incoming};
+use super::remote_dma::ClientDma;
+use super::{ServerConfig, ServerError};
+use crate::device::{Device, DeviceInfo};
+use crate::dma::DmaSpace;
+use crate::protocol::version::{negotiate, Version};
+use crate::protocol::{decode_request, Command, Header, Limits, Request, HEADER_SIZE};
+
+/// A reply being built: the whole message buffer (16 header bytes reserved) and the fds
+/// that go with it.
+#[derive(Debug)]
+pub struct Reply {
+    buf: Vec<u8>,
+    fds: Vec<Arc<OwnedFd>>,
+}
+
+impl Reply {
+    /// An empty reply with room for `payload` bytes.
+    pub fn with_capacity(payload: usize) -> Reply {
+        let mut buf = Vec::with_capacity(HEADER_SIZE + payload);
+        buf.resize(HEADER_SIZE, 0);
+        Reply {
+            buf,
+            fds: Vec::new(),
+        }
+    }
+
+    /// A reply carrying `payload`.
+    pub fn from_payload(payload: &[u8]) -> Reply {
+        let mut r = Reply::with_capacity(payload.len());
+        r.buf.extend_from_slice(payload);
+        r
+    }
+
+    /// A reply without payload.
+    pub fn empty() -> Reply {
+        Reply::with_capacity(0)
+    }
+
+    /// The buffer (payload appended after the reserved header).
+    pub fn buf_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
+
+    /// Attach an fd.
+    pub fn attach(&mut self, fd: Arc<OwnedFd>) {
+        self.fds.push(fd);
+    }
+
+    fn finish(&mut self, request: &Header) -> &[u8] {
+        let h = request.reply(self.buf.len() - HEADER_SIZE);
+        self.buf[..HEADER_SIZE].copy_from_slice(&h.encode());
+        &self.buf
+    }
+}
+
+/// State of one connection, owned by its connection thread.
+pub struct Connection {
+    pub(super) chan: Arc<Channel>,
+    pub(super) device: Arc<Mutex<Box<dyn Device>>>,
+    pub(super) dma: Arc<DmaSpace>,
+    pub(super) config: ServerConfig,
+    pub(super) limits: Limits,
+    pub(super) negotiated: bool,
+    pub(super) info: DeviceInfo,
+    twin_thread: Option<JoinHandle<()>>,
+}
+
+pub(super) fn lock_device(m: &Mutex<Box<dyn Device>>) -> MutexGuard<'_, Box<dyn Device>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Connection {
+    /// A connection over `chan`.
+    pub fn new(
+        chan: Arc<Channel>,
+        device: Arc<Mutex<Box<dyn Device>>>,
+        dma: Arc<DmaSpace>,
+        config: ServerConfig,
+    ) -> Connection {
+        let offer = config.offer();
+        let limits = Limits {
+            max_data_xfer_size: offer.max_data_xfer_size,
+            max_msg_fds: offer.max_msg_fds,
+            pgsize: config.pgsize,
+            write_multiple: false,
+        };
+        let info = lock_device(&device).info();
+        Connection {
+            chan,
+            device,
+            dma,
+            config,
+            limits,
+            negotiated: false,
+            info,
+            twin_thread: None,
+        }
+    }
+
+    /// Serve until the client disconnects, then release its DMA maps and IRQ fds.
+    pub fn run(mut self) {
+        info!("client connected");
+        while let Some(m) = self.chan.next_command() {
+            self.handle(m);
+        }
+        self.teardown();
+    }
+
+    fn handle(&mut self, m: Incoming) {
+        let hdr = m.header;
+        let name = Command::from_u16(hdr.command)
+            .map(|c| c.name())
+            .unwrap_or("UNKNOWN");
+        let span = debug_span!(
+            "msg",
+            id = hdr.msg_id,
+            cmd = name,
+            size = hdr.msg_size,
+            errno = tracing::field::Empty
+        );
+        let _enter = span.enter();
+        match self.process(&hdr, &m.payload, m.fds) {
+            Ok(Some(mut reply)) => {
+                if hdr.no_reply() {
+                    return;
+                }
+                let fds: Vec<RawFd> = reply.fds.iter().map(|f| f.as_raw_fd()).collect();
+                if let Err(e) = self.chan.send(reply.finish(&hdr), &fds) {
+                    debug!(error = %e, "failed to send a reply");
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let errno = e.errno();
+                span.record("errno", errno);
+                if hdr.no_reply() {
+                    warn!("{name} (no reply requested) failed: {e}");
+                } else {
+                    warn!("{name} failed, answering errno {errno}: {e}");
+                    self.chan.send_error(&hdr, errno);
+                }
+            }
+        }
+    }
+
+    fn process(
+        &mut self,
+        hdr: &Header,
+        payload: &[u8],
+        fds: Vec<OwnedFd>,
+    ) -> Result<Option<Reply>, ServerError> {
+        if !self.negotiated && hdr.command != Command::Version as u16 {
+            return Err(ServerError::BadState("the first message must be VERSION"));
+        }
+        let req = decode_request(hdr, payload, fds.len(), &self.limits)?;
+        Ok(Some(match req {
+            Request::Version(v) => return self.version(hdr, v),
+            Request::DmaMap(m) => self.dma_map(m, fds)?,
+            Request::DmaUnmap(u) => self.dma_unmap(u)?,
+            Request::DeviceGetInfo => self.device_info(),
+            Request::GetRegionInfo(r) => self.region_info(r)?,
+            Request::GetRegionIoFds(r) => self.region_io_fds(r)?,
+            Request::GetIrqInfo { index } => self.irq_info(index)?,
+            Request::SetIrqs(s) => self.set_irqs(s, fds)?,
+            Request::RegionRead(a) => self.region_read(a)?,
+            Request::RegionWrite(a, data) => self.region_write(a, data)?,
+            Request::RegionWriteMulti(ws) => self.region_write_multi(&ws)?,
+            Request::DeviceReset => self.reset()?,
+            Request::Feature(f) => self.feature(f, payload)?,
+        }))
+    }
+
+    fn version(&mut self, hdr: &Header, v: Version) -> Result<Option<Reply>, ServerError> {
+        if self.negotiated {
+            return Err(ServerError::BadState("VERSION was already negotiated"));
+        }
+        let n = negotiate(&v, &self.config.offer(), hdr.msg_size as usize)?;
+        self.limits.write_multiple = n.write_multiple;
+        self.chan.set_max_xfer(n.max_data_xfer_size);
+        let payload = n.reply.encode_payload();
+        let mut reply = Reply::from_payload(&payload);
+        let mut twin_client: Option<UnixStream> = None;
+        if n.twin_socket {
+            let (ours, theirs) =
+                UnixStream::pair().map_err(|e| ServerError::io("creating the twin socket", e))?;
+            let reader = ours
+                .try_clone()
+                .map_err(|e| ServerError::io("cloning the twin socket", e))?;
+            self.chan.set_twin(ours);
+            let chan = self.chan.clone();
+            let span = tracing::Span::current();
+            self.twin_thread = Some(
+                std::thread::Builder::new()
+                    .name("umdev-twin".into())
+                    .spawn(move || {
+                        let _e = span.enter();
+                        chan.run_twin_reader(reader)
+                    })
+                    .map_err(|e| ServerError::io("spawning the twin reader", e))?,
+            );
+            twin_client = Some(theirs);
+        }
+        let fds: Vec<RawFd> = twin_client.iter().map(|s| s.as_raw_fd()).collect();
+        self.chan
+            .send(reply.finish(hdr), &fds)
+            .map_err(|e| ServerError::io("sending the VERSION reply", e))?;
+        drop(twin_client);
+        self.dma
+            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone()))));
+        self.negotiated = true;
+        info!(
+            client_minor = v.minor,
+            max_data_xfer_size = n.max_data_xfer_size,
+            max_dma_maps = n.max_dma_maps,
+            write_multiple = n.write_multiple,
+            twin_socket = n.twin_socket,
+            "version negotiated"
+        );
+        Ok(None)
+    }
+
+    fn teardown(mut self) {
+        self.chan.close();
+        if let Some(t) = self.twin_thread.take() {
+            let _ = t.join();
+        }
+        if self.negotiated {
+            let mut dev = lock_device(&self.device);
+            let report = self
+                .dma
+                .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size));
+            self.dma.set_remote(None);
+            dev.disconnected();
+            if report.leftover_pins > 0 {
+                warn!(
+                    leftover_pins = report.leftover_pins,
+                    "device left pins behind at disconnect; force-released"
+                );
+            }
+            info!(
+                dma_maps_released = report.maps_removed,
+                "client disconnected"
+            );
+        } else {
+            lock_device(&self.device).disconnected();
+            info!("client disconnected before negotiating");
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! Errors of the server module and their errno mapping.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::device::DeviceError;
+use crate::dma::DmaError;
+use crate::protocol::ProtocolError;
+
+/// Errors while serving: setting up the socket, or handling one message.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A live server already listens on the socket path.
+    #[error("socket {0} is in use by a running server")]
+    SocketInUse(PathBuf),
+    /// The socket path exists and is not a socket.
+    #[error("{0} exists and is not a socket; refusing to remove it")]
+    NotASocket(PathBuf),
+    /// Socket setup or I/O failed.
+    #[error("socket I/O on {what}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The message is malformed.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The device refused the request.
+    #[error("device: {0}")]
+    Device(#[source] DeviceError),
+    /// The DMA layer refused the request.
+    #[error("DMA: {0}")]
+    Dma(#[source] DmaError),
+    /// A region/IRQ index or range outside what the device reports.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// A command before VERSION, or a second VERSION.
+    #[error("{0}")]
+    BadState(&'static str),
+    /// The server thread panicked.
+    #[error("server thread panicked")]
+    Panicked,
+}
+
+impl ServerError {
+    /// The errno of the error reply (never 0).
+    pub fn errno(&self) -> i32 {
+        match self {
+            ServerError::Protocol(e) => e.errno(),
+            ServerError::Device(e) => nonzero(e.errno()),
+            ServerError::Dma(e) => nonzero(e.errno()),
+            ServerError::OutOfRange(_) | ServerError::BadState(_) => libc::EINVAL,
+            ServerError::Io { source, .. } => nonzero(source.raw_os_error().unwrap_or(libc::EIO)),
+            ServerError::SocketInUse(_) => libc::EADDRINUSE,
+            ServerError::NotASocket(_) => libc::EEXIST,
+            ServerError::Panicked => libc::EIO,
+        }
+    }
+
+    pub(crate) fn io(what: &'static str, source: io::Error) -> Self {
+        ServerError::Io { what, source }
+    }
+}
+
+fn nonzero(e: i32) -> i32 {
+    if e > 0 {
+        e
+    } else {
+        libc::EIO
+    }
+}

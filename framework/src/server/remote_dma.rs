@@ -1,0 +1,101 @@
+//! [`RemoteDma`] over the connection: DMA_READ / DMA_WRITE to the client, split into
+//! transfers of at most the negotiated max_data_xfer_size.
+
+use std::sync::Arc;
+
+use tracing::warn;
+
+use super::channel::{Channel, RequestError};
+use crate::dma::{DmaError, RemoteDma};
+use crate::protocol::dma_rw::{
+    decode_dma_read_reply, decode_dma_write_reply, encode_dma_read, put_dma_write,
+};
+use crate::protocol::Command;
+
+/// The server→client DMA path of one connection.
+#[derive(Debug, Clone)]
+pub struct ClientDma {
+    chan: Arc<Channel>,
+}
+
+impl ClientDma {
+    /// DMA through `chan`.
+    pub fn new(chan: Arc<Channel>) -> Self {
+        ClientDma { chan }
+    }
+
+    fn fail(&self, op: &str, iova: u64, len: usize, e: RequestError) -> DmaError {
+        warn!(iova = format_args!("{iova:#x}"), len, error = %e, "{op} to the client failed");
+        match e {
+            RequestError::Disconnected => DmaError::Disconnected,
+            RequestError::Busy => DmaError::Busy("too many server-to-client requests in flight"),
+            RequestError::Errno(errno) => DmaError::Remote {
+                iova,
+                errno: if errno == 0 { libc::EIO } else { errno as i32 },
+            },
+            RequestError::Timeout(_) => DmaError::Remote {
+                iova,
+                errno: libc::ETIMEDOUT,
+            },
+            RequestError::BadReply(_) => DmaError::Remote {
+                iova,
+                errno: libc::EPROTO,
+            },
+        }
+    }
+
+    /// DMA_READ `buf.len()` bytes at `iova`, in chunks.
+    pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), RequestError> {
+        let max = self.chan.max_xfer().max(1) as usize;
+        let mut done = 0usize;
+        while done < buf.len() {
+            let n = (buf.len() - done).min(max);
+            let addr = iova.checked_add(done as u64).ok_or(RequestError::BadReply(
+                crate::protocol::ProtocolError::invalid("DMA_READ", "address wraps"),
+            ))?;
+            let reply = self
+                .chan
+                .request(Command::DmaRead, &encode_dma_read(addr, n as u64))?;
+            let data = decode_dma_read_reply(&reply.payload, addr, n as u64)
+                .map_err(RequestError::BadReply)?;
+            buf[done..done + n].copy_from_slice(data);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// DMA_WRITE `data` at `iova`, in chunks.
+    pub fn write(&self, iova: u64, data: &[u8]) -> Result<(), RequestError> {
+        let max = self.chan.max_xfer().max(1) as usize;
+        let mut payload = Vec::with_capacity(16 + data.len().min(max));
+        for (i, chunk) in data.chunks(max).enumerate() {
+            let addr = iova
+                .checked_add((i * max) as u64)
+                .ok_or(RequestError::BadReply(
+                    crate::protocol::ProtocolError::invalid("DMA_WRITE", "address wraps"),
+                ))?;
+            payload.clear();
+            put_dma_write(&mut payload, addr, chunk);
+            let reply = self.chan.request(Command::DmaWrite, &payload)?;
+            decode_dma_write_reply(&reply.payload, addr, chunk.len() as u64)
+                .map_err(RequestError::BadReply)?;
+        }
+        Ok(())
+    }
+}
+
+impl RemoteDma for ClientDma {
+    fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        self.read(iova, buf)
+            .map_err(|e| self.fail("DMA_READ", iova, buf.len(), e))
+    }
+
+    fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.write(iova, data)
+            .map_err(|e| self.fail("DMA_WRITE", iova, data.len(), e))
+    }
+
+    fn max_xfer(&self) -> usize {
+        self.chan.max_xfer() as usize
+    }
+}
