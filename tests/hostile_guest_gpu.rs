@@ -579,3 +579,85 @@ fn test_gpu_socket_client_unmap_drops_pins_next_blit_faults() {
     vm.assert_serving();
     vm.assert_pins_return_to_zero(4);
 }
+
+#[test]
+fn test_gpu_socket_ring_ending_at_top_of_address_space_faults_cleanly() {
+    let mut vm = GpuVm::new(PinPolicy::Translate);
+    let base = 0xffff_ffff_ffff_0000u64;
+    vm.drv.write(REG_RING_CTRL, 0).unwrap();
+    vm.drv.write(REG_RING_BASE_LO, base as u32).unwrap();
+    vm.drv.write(REG_RING_BASE_HI, (base >> 32) as u32).unwrap();
+    vm.drv.write(REG_RING_SIZE, 0x1_0000).unwrap();
+    vm.drv.write(REG_RING_CTRL, 1).unwrap();
+    if vm.reg(REG_RING_CTRL) == 1 {
+        // Accepted (base + size == 2^64 does not wrap): the ring is simply unmapped.
+        vm.drv.write(REG_RING_TAIL, 0xfff0).unwrap();
+        assert!(rig::wait_until(Duration::from_secs(5), || vm
+            .reg(REG_RING_HEAD)
+            == 0xfff0));
+        assert_eq!(vm.take_error(), (ERR_RING_FAULT, 0));
+    } else {
+        assert_eq!(vm.take_error(), (ERR_RING_CONFIG, REG_RING_CTRL as u32));
+    }
+    vm.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(0);
+}
+
+#[test]
+fn test_gpu_socket_own_framebuffer_mapped_as_guest_memory_readback_and_blit() {
+    // A VMM may put the device's own BAR2 into the DMA address space (peer-to-peer style):
+    // the device then pins its own framebuffer pages and copies framebuffer to framebuffer.
+    let mut vm = GpuVm::new(PinPolicy::Lock);
+    const FB_GPA: u64 = 0x4000_0000;
+    let (fd, start, size) = {
+        let bar2 = vm.client().region(2).expect("BAR2");
+        let fo = bar2.file_offset.as_ref().expect("BAR2 has an fd");
+        (fo.file().try_clone().unwrap(), fo.start(), bar2.size)
+    };
+    let dma = vm.served.dma.clone();
+    rig::client_map(vm.client(), &dma, &fd, start, FB_GPA, size);
+    for i in 0..16 {
+        vm.drv
+            .set_gtt(i, FB_GPA + u64::from(i) * 4096, true)
+            .unwrap();
+    }
+    // Row 0 := a gradient; READBACK it into GTT page 1 (framebuffer offset 4096 = row 16
+    // with a 256-byte stride), then BLIT GTT page 1 back to row 40.
+    let mut cmds = Vec::new();
+    for x in 0..W {
+        cmds.push(Command::FillRect {
+            x,
+            y: 0,
+            w: 1,
+            h: 1,
+            color: 0x0001_0203 * (x + 1),
+        });
+    }
+    cmds.push(readback(1, W, 1));
+    cmds.push(Command::Blit {
+        gtt_index: 1,
+        stride: 4096,
+        w: W,
+        h: 1,
+        dst_x: 0,
+        dst_y: 40,
+    });
+    vm.run(&cmds);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    for x in 0..W {
+        let want = Some(0x0001_0203 * (x + 1));
+        assert_eq!(
+            vm.pixel(x, 16),
+            want,
+            "readback into own framebuffer, x {x}"
+        );
+        assert_eq!(vm.pixel(x, 40), want, "blit from own framebuffer, x {x}");
+    }
+    assert_eq!(vm.pins_held(), 1, "one surface page pinned");
+    vm.client().dma_unmap(FB_GPA, size).unwrap();
+    assert_eq!(vm.pins_held(), 0);
+    vm.served.assert_space_unpinned();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(16);
+}
