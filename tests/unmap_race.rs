@@ -309,3 +309,107 @@ fn test_unmap_race_ccw_reads_never_write_unmapped_memory() {
     assert!(b.iter().all(|&x| x == 0x5a), "image data not read");
     served.assert_space_unpinned();
 }
+
+#[test]
+fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("disc.img");
+    std::fs::write(&image, vec![0x5a; 1 << 20]).unwrap();
+    let ccw = Ccw::new(CcwConfig::new(&image)).unwrap();
+    let served = Served::start(
+        ccw,
+        DmaConfig {
+            policy: PinPolicy::Lock,
+            lock_limit_bytes: Some(1 << 20),
+            ..DmaConfig::default()
+        },
+        dir,
+        |_| {},
+    );
+    let ram = rig::memfd(RAM_SIZE);
+    let mut words = Vec::new();
+    for _pass in 0..8 {
+        for i in 0..4u64 {
+            words.push(CcwWord::read(32 * 1024, DATA_GPA + i * 32 * 1024).chain());
+        }
+    }
+    words.push(CcwWord::nop());
+    ram.write_all_at(&ccw_driver::encode_program(&words), PROGRAM - RAM)
+        .unwrap();
+    let opb = OperationBlock {
+        program: PROGRAM,
+        block: 0,
+        status: STATUS,
+        flags: 0,
+        reserved: 0,
+    };
+    ram.write_all_at(&opb.to_bytes(), OPB - RAM).unwrap();
+    let mut graveyard = Graveyard::default();
+    for it in 0..12u64 {
+        let mut client = served.connect();
+        enable_device(&mut client);
+        let data = rig::memfd(DATA_SIZE);
+        client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
+        client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+        for (off, v) in [
+            (ccw_regs::OPB_ADDR_LO, OPB as u32),
+            (ccw_regs::OPB_ADDR_HI, 0),
+            (ccw_regs::START, 1),
+        ] {
+            client
+                .region_write(region_index::BAR0, off, &v.to_le_bytes())
+                .unwrap();
+        }
+        std::thread::sleep(Duration::from_micros(150 * (it % 4)));
+        drop(client); // the VMM dies mid-program
+        assert!(
+            wait_until(Duration::from_secs(5), || served.dma.stats().maps == 0),
+            "maps not released at disconnect"
+        );
+        // Disconnect aborts without storing status; the memory is the VMM's again.
+        graveyard.push(Retired::new(
+            data,
+            DATA_SIZE as usize,
+            format!("data #{it}"),
+        ));
+        assert_eq!(served.device().device().pins_held(), 0, "round {it}");
+        served.assert_space_unpinned();
+    }
+    graveyard.check_all();
+    // The next client gets a working device.
+    let mut client = served.connect();
+    enable_device(&mut client);
+    let data = rig::memfd(DATA_SIZE);
+    client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
+    client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+    let reg = |c: &mut vfio_user::Client, off: u64| {
+        let mut b = [0u8; 4];
+        c.region_read(region_index::BAR0, off, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    let done = reg(&mut client, ccw_regs::COMPLETED);
+    for (off, v) in [
+        (ccw_regs::OPB_ADDR_LO, OPB as u32),
+        (ccw_regs::OPB_ADDR_HI, 0),
+        (ccw_regs::START, 1),
+    ] {
+        client
+            .region_write(region_index::BAR0, off, &v.to_le_bytes())
+            .unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(5), || reg(
+        &mut client,
+        ccw_regs::COMPLETED
+    ) != done));
+    let mut sb = [0u8; 32];
+    ram.read_exact_at(&mut sb, STATUS - RAM).unwrap();
+    assert!(
+        StatusBlock::from_bytes(&sb).is_ok(),
+        "{:?}",
+        StatusBlock::from_bytes(&sb)
+    );
+    let mut b = vec![0u8; DATA_SIZE as usize];
+    data.read_exact_at(&mut b, 0).unwrap();
+    assert!(b.iter().all(|&x| x == 0x5a), "image data not read");
+    served.assert_space_unpinned();
+}
