@@ -941,3 +941,229 @@ fn test_hostile_malformed_every_command_errno_usable_no_leak() {
     let st = ts.state();
     assert_eq!(st.unmaps, vec![], "a rejected unmap reached the device");
 }
+
+/// Send `cmd` with a header whose size field says `msg_size`, followed by `body`.
+fn send_lying(c: &mut RawClient, id: u16, cmd: u16, msg_size: u32, body: &[u8]) {
+    let mut m = raw_header(id, cmd, msg_size, 0).to_vec();
+    m.extend_from_slice(body);
+    c.send_raw(&m, &[]);
+}
+
+fn expect_errno(c: &mut RawClient, id: u16, errno: u32, what: &str) {
+    let m = c.recv();
+    assert_eq!(m.header.msg_id, id, "{what}: reply id");
+    assert!(m.header.is_error(), "{what}: no error");
+    assert_eq!(m.header.error, errno, "{what}: errno");
+}
+
+#[test]
+fn test_hostile_size_larger_than_payload_following_bytes_consumed_einval() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let baseline = fd_count();
+    // DMA_UNMAP claims 32 payload bytes but carries its 24; the server waits for the rest,
+    // so the next 8 bytes the client sends belong to this message.
+    let body = unmap_req(24, 0, MAP_IOVA, MAP_SIZE);
+    send_lying(&mut c, 1, Command::DmaUnmap as u16, 16 + 32, &body);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    c.send_raw(&[0; 8], &[]);
+    expect_errno(&mut c, 1, EINVAL, "32-byte DMA_UNMAP");
+    usable(&mut c, "after a long size field");
+    settle_fds(baseline, "size larger than payload");
+    settle_dma(&ts.dma, 0, "size larger than payload");
+}
+
+#[test]
+fn test_hostile_size_smaller_than_payload_rest_is_next_message() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let baseline = fd_count();
+    // REGION_READ says 8 payload bytes but 16 follow: the server reads exactly msg_size,
+    // answers EINVAL, and takes the next 16 bytes as the next header. Here those bytes
+    // (8 trailing + 8 more) happen to form an unknown command, answered with ENOSYS.
+    let next = raw_header(2, 0x77, 16, 0);
+    let mut body = access(7, 0, 4)[..8].to_vec();
+    body.extend_from_slice(&next[..8]);
+    send_lying(&mut c, 1, Command::RegionRead as u16, 16 + 8, &body);
+    c.send_raw(&next[8..], &[]);
+    expect_errno(&mut c, 1, EINVAL, "8-byte REGION_READ");
+    expect_errno(&mut c, 2, ENOSYS, "the bytes after it");
+    usable(&mut c, "after a short size field");
+    settle_fds(baseline, "size smaller than payload");
+}
+
+#[test]
+fn test_hostile_size_below_header_einval_then_closed_next_client_ok() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let baseline = fd_count();
+    {
+        let mut c = RawClient::new_default(&ts.path);
+        let mem = common::memfd(MAP_SIZE);
+        let r = c.call(
+            Command::DmaMap as u16,
+            0,
+            &map_req(3, 0, MAP_IOVA, MAP_SIZE),
+            &[mem.as_raw_fd()],
+        );
+        assert!(!r.header.is_error());
+        // Framing is lost: the only safe answer is an error and a hang-up.
+        send_lying(&mut c, 9, Command::DeviceGetInfo as u16, 8, &[]);
+        expect_errno(&mut c, 9, EINVAL, "msg_size 8");
+        assert!(
+            closed_by_peer(&c.stream),
+            "connection kept after lost framing"
+        );
+    }
+    settle_dma(&ts.dma, 0, "after lost framing");
+    settle_fds(baseline, "after lost framing");
+    let mut c = RawClient::new_default(&ts.path);
+    usable(&mut c, "next client");
+}
+
+#[test]
+fn test_hostile_header_split_across_writes_served() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let a = access(7, 4, 4);
+    let mut m = raw_header(5, Command::RegionRead as u16, 32, 0).to_vec();
+    m.extend_from_slice(&a);
+    for chunk in [&m[..3], &m[3..16], &m[16..20], &m[20..]] {
+        c.send_raw(chunk, &[]);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let r = c.recv();
+    assert_eq!(r.header.msg_id, 5);
+    assert!(!r.header.is_error());
+    assert_eq!(r.payload[16..], [4, 5, 6, 7]);
+}
+
+#[test]
+fn test_hostile_one_gib_size_field_e2big_without_allocating() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let rss0 = rss_kib();
+    let size: u32 = 1 << 30;
+    send_lying(
+        &mut c,
+        3,
+        Command::RegionWrite as u16,
+        size,
+        &access(0, 0, 4),
+    );
+    // The server must not buffer 1 GiB: it skips the declared bytes as they arrive.
+    let chunk = vec![0u8; 1 << 20];
+    let mut left = size as usize - 16 - 16;
+    let t0 = Instant::now();
+    while left > 0 {
+        let n = left.min(chunk.len());
+        c.send_raw(&chunk[..n], &[]);
+        left -= n;
+    }
+    expect_errno(&mut c, 3, E2BIG, "1 GiB message");
+    let grown = rss_kib().saturating_sub(rss0);
+    eprintln!(
+        "1 GiB message skipped in {:?}, RSS grew {grown} KiB",
+        t0.elapsed()
+    );
+    assert!(
+        grown < 32 * 1024,
+        "RSS grew {grown} KiB for a 1 GiB message"
+    );
+    usable(&mut c, "after the 1 GiB message");
+}
+
+#[test]
+fn test_hostile_interleaved_ids_replies_in_order_with_their_ids() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    // Sent back to back without waiting: duplicate, descending and wrapping ids, and an
+    // unsolicited reply in the middle.
+    let msgs: [(u16, u16, u32, Vec<u8>, Option<u32>); 6] = [
+        (7, Command::RegionRead as u16, 0, access(7, 0, 4), None),
+        (
+            7,
+            Command::RegionRead as u16,
+            0,
+            access(99, 0, 4),
+            Some(EINVAL),
+        ),
+        (
+            3,
+            Command::DeviceGetInfo as u16,
+            0,
+            u32s(&[16, 0, 0, 0]),
+            None,
+        ),
+        (
+            0xffff,
+            Command::DeviceGetInfo as u16,
+            FLAGS_TYPE_REPLY,
+            vec![],
+            None,
+        ),
+        (0xffff, 0x55, 0, vec![], Some(ENOSYS)),
+        (0, Command::RegionRead as u16, 0, access(7, 8, 4), None),
+    ];
+    let mut all = Vec::new();
+    for (id, cmd, flags, p, _) in &msgs {
+        let mut m = raw_header(*id, *cmd, (16 + p.len()) as u32, *flags).to_vec();
+        m.extend_from_slice(p);
+        all.extend_from_slice(&m);
+    }
+    c.send_raw(&all, &[]);
+    for (id, cmd, flags, _, errno) in msgs.iter().filter(|m| m.2 != FLAGS_TYPE_REPLY) {
+        let r = c.recv();
+        assert_eq!((r.header.msg_id, r.header.command), (*id, *cmd), "{flags}");
+        match errno {
+            Some(e) => assert_eq!(r.header.error, *e, "id {id}"),
+            None => assert!(!r.header.is_error(), "id {id}: errno {}", r.header.error),
+        }
+    }
+    usable(&mut c, "after interleaved ids");
+}
+
+#[test]
+fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let baseline = fd_count();
+    // A closed fd cannot even be sent: the client's own sendmsg fails with EBADF.
+    let closed = {
+        let f = common::memfd(4096);
+        f.as_raw_fd()
+    };
+    let h = raw_header(1, Command::DmaMap as u16, 48, 0);
+    let mut m = h.to_vec();
+    m.extend_from_slice(&map_req(3, 0, MAP_IOVA, MAP_SIZE));
+    let err = umdev::server::socket_io::send_message(&c.stream, &m, &[closed]).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EBADF));
+    // An fd the client closes right after sending: the server holds its own reference.
+    {
+        use std::os::unix::fs::FileExt;
+        let mem = common::memfd(MAP_SIZE);
+        mem.write_all_at(b"hostile!", 0x1000).unwrap();
+        let r = c.call(Command::DmaMap as u16, 0, &m[16..], &[mem.as_raw_fd()]);
+        assert!(!r.header.is_error(), "map: errno {}", r.header.error);
+    }
+    let dma = ts.state().dma.clone().unwrap();
+    let mut buf = [0u8; 8];
+    dma.read(MAP_IOVA + 0x1000, &mut buf).unwrap();
+    assert_eq!(&buf, b"hostile!");
+    // The server's reference is the only one now; unmapping releases it.
+    let r = c.call(
+        Command::DmaUnmap as u16,
+        0,
+        &unmap_req(24, 0, MAP_IOVA, MAP_SIZE),
+        &[],
+    );
+    assert!(!r.header.is_error());
+    settle_fds(baseline, "after unmap");
+    settle_dma(&ts.dma, 0, "after unmap");
+}
