@@ -180,3 +180,73 @@ fn test_bench_pin_bad_trace_fails_with_line_number() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+fn assert_pair_rows(v: &Value, groups: usize, per_group: usize) {
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), groups * per_group, "{v}");
+    for r in rows {
+        for side in ["a", "b"] {
+            let s = r[side]["samples_ns"].as_array().expect("samples");
+            assert!(!s.is_empty(), "{r}");
+            assert!(s
+                .iter()
+                .all(|x| x.as_f64().is_some_and(|x| x.is_finite() && x > 0.0)));
+        }
+        assert!(r["ratio_a_over_b"].as_f64().is_some_and(|x| x > 0.0));
+    }
+    assert!(v["unavailable"].as_array().is_some_and(|u| u.is_empty()));
+}
+
+#[test]
+fn test_bench_dma_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("dma.json");
+    let out = umdev(&[
+        "bench",
+        "dma",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--sizes",
+        "8,4096",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "dma");
+    // 5 comparisons (read, write, lookup, fd-less read, fd-less write) × 2 sizes.
+    assert_pair_rows(&v, 5, 2);
+}
+
+#[test]
+fn test_bench_wire_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("wire.json");
+    let out = umdev(&[
+        "bench",
+        "wire",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--map-sizes",
+        "4096,1073741824",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "wire");
+    // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
+    assert_pair_rows(&v, 1, 5);
+}

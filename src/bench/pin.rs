@@ -118,10 +118,12 @@ pub struct PinArgs {
 pub fn plan_of(args: &PinArgs) -> SamplePlan {
     // Many short samples: on a shared machine a sample that gets preempted is an outlier
     // the median ignores; long samples would all contain some preemption.
-    let (samples, sample_ms, warmup_ms) = if args.quick {
-        (21, 0.25, 1.0)
+    // Slow comparisons (mlock of thousands of scattered pages) keep fewer samples within a
+    // per-cell budget so that `--quick` stays well under a minute.
+    let (samples, sample_ms, warmup_ms, budget_ms, min_samples) = if args.quick {
+        (21, 0.25, 1.0, 300.0, 5)
     } else {
-        (41, 1.0, 10.0)
+        (41, 1.0, 10.0, 4000.0, 11)
     };
     let ms = |v: f64| Duration::from_secs_f64(v.clamp(0.0, 60_000.0) / 1e3);
     SamplePlan {
@@ -129,6 +131,8 @@ pub fn plan_of(args: &PinArgs) -> SamplePlan {
         samples: args.samples.unwrap_or(samples).clamp(1, 10_000),
         sample_target: ms(args.sample_ms.unwrap_or(sample_ms)),
         max_iters: 1_000_000,
+        cell_budget: Some(ms(budget_ms)),
+        min_samples: min_samples.min(args.samples.unwrap_or(usize::MAX)),
     }
 }
 

@@ -327,6 +327,8 @@ mod report_tests {
                     samples: 3,
                     sample_target: std::time::Duration::ZERO,
                     max_iters: 1,
+                    cell_budget: None,
+                    min_samples: 1,
                 },
                 seed: 0,
                 quick: true,

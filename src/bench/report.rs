@@ -345,8 +345,9 @@ pub fn fmt_bytes(v: u64) -> String {
     format!("{x} {}", UNITS[unit])
 }
 
-/// The terminal table of a pair report: one block per group.
-pub fn pair_table(report: &PairReport) -> String {
+/// The terminal table of a pair report: one block per group; `throughput` adds a GB/s
+/// column (bytes per operation / time), meaningful for copies only.
+pub fn pair_table(report: &PairReport, throughput: bool) -> String {
     let mut out = String::new();
     let groups = {
         let mut g: Vec<&str> = Vec::new();
@@ -363,15 +364,12 @@ pub fn pair_table(report: &PairReport) -> String {
         out.push_str(&format!(
             "\n{group}: ns per operation, median and p10–p90\n"
         ));
-        let mut t = Table::new(&[
-            ">size",
-            &format!(">{an}"),
-            ">p10–p90",
-            &format!(">{bn}"),
-            ">p10–p90",
-            ">ratio",
-            ">GB/s",
-        ]);
+        let (ah, bh) = (format!(">{an}"), format!(">{bn}"));
+        let mut headers = vec![">size", &ah, ">p10–p90", &bh, ">p10–p90", ">ratio"];
+        if throughput {
+            headers.push(">GB/s");
+        }
+        let mut t = Table::new(&headers);
         for r in rows {
             let gbs = if r.a.ns.median > 0.0 && r.size_bytes > 0 {
                 format!(
@@ -382,15 +380,18 @@ pub fn pair_table(report: &PairReport) -> String {
             } else {
                 "-".into()
             };
-            t.row(vec![
+            let mut row = vec![
                 fmt_bytes(r.size_bytes),
                 fmt_ns(r.a.ns.median),
                 spread(&r.a.ns),
                 fmt_ns(r.b.ns.median),
                 spread(&r.b.ns),
                 format!("{:.2}×", r.ratio_a_over_b),
-                gbs,
-            ]);
+            ];
+            if throughput {
+                row.push(gbs);
+            }
+            t.row(row);
         }
         out.push_str(&t.render());
     }
