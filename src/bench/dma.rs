@@ -1,0 +1,208 @@
+//! `umdev bench dma`: the cost of `DmaHandle::read`/`write` (dma_rw) against the physical
+//! limit, and of a lookup per call against the held handle.
+//!
+//! Three comparisons per size (8 B … 16 MiB), each sampled interleaved:
+//! - **read / write: dma_rw vs memcpy** — `DmaHandle::read`/`write` at an IOVA against a
+//!   plain `copy_nonoverlapping` between a local buffer and a second local mapping of the
+//!   *same* memfd pages: same memory, no translation, no checks, so the physical limit.
+//! - **read: lookup per call vs held handle** — the held path calls `read` on the
+//!   `DmaHandle` the device keeps. The lookup path models a device that does not keep it:
+//!   per call it locks a process-wide registry (`Mutex<HashMap<device id, Arc<DmaSpace>>>`
+//!   with 16 devices), clones the space out, builds a handle with `space.handle()`, reads,
+//!   and drops both — the user-space analog of the per-call group lookup and reference that
+//!   seeds/03 removed from the kernel's vfio_dma_rw path.
+//! - **fd-less region through DMA_READ/DMA_WRITE messages** — needs the server engine
+//!   (`umdev::server`); reported as not available until it is.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use umdev::dma::{DmaConfig, DmaError, DmaHandle, DmaMapping, DmaSpace, Prot};
+
+use super::local_mapping::{memfd, LocalMapping};
+use super::machine;
+use super::progress::{Progress, ProgressMode};
+use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
+use super::sampler::{interleaved, SamplePlan};
+use super::OutputArgs;
+use crate::CliResult;
+
+/// IOVA of the bench region.
+pub const REGION_IOVA: u64 = 1 << 30;
+/// Largest accepted operation size (the region is twice this).
+pub const MAX_SIZE: u64 = 64 << 20;
+/// Devices in the lookup-per-call registry.
+pub const REGISTRY_DEVICES: u64 = 16;
+
+/// Arguments of `umdev bench dma`.
+#[derive(clap::Args, Debug)]
+pub struct DmaArgs {
+    /// Operation sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![8u64, 64, 512, 4096, 32768, 262144, 2097152, 16777216])]
+    pub sizes: Vec<u64>,
+    /// Fast run: fewer and shorter samples.
+    #[arg(long)]
+    pub quick: bool,
+    /// Samples kept per side [default: 15, quick 5].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Output options.
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
+    let (n, target, warm) = if quick { (5, 2, 2) } else { (15, 10, 20) };
+    SamplePlan {
+        warmup: std::time::Duration::from_millis(warm),
+        samples: samples.unwrap_or(n).clamp(1, 10_000),
+        sample_target: std::time::Duration::from_millis(target),
+        max_iters: 10_000_000,
+    }
+}
+
+/// Copy `len` bytes from `src` to `dst` (raw, for memory shared with another mapping).
+fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: callers pass pointers to `len` valid bytes of distinct allocations/mappings
+    // (a local Vec and a local mapping of the bench memfd), so the ranges do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// Entry point of `umdev bench dma`.
+pub fn run(args: DmaArgs) -> CliResult {
+    let started = Instant::now();
+    let plan = plan_of(args.quick, args.samples);
+    if let Some(&bad) = args.sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
+        return Err(format!("size {bad} out of range 1..={MAX_SIZE}").into());
+    }
+    let max = args.sizes.iter().copied().max().unwrap_or(8);
+    let region = max.next_multiple_of(2 << 20);
+    let fd = memfd("umdev-bench-dma", 0, region)?;
+    let region_len = usize::try_from(region)?;
+    let local = LocalMapping::new(&fd, region_len)?;
+    local.touch(4096);
+    let space = DmaSpace::new(DmaConfig::default());
+    space.map(DmaMapping {
+        iova: REGION_IOVA,
+        size: region,
+        prot: Prot::RW,
+        fd: Some(fd),
+        offset: 0,
+    })?;
+    let handle = space.handle();
+    let mut registry: HashMap<u64, Arc<DmaSpace>> = (0..REGISTRY_DEVICES)
+        .map(|id| (id, DmaSpace::new(DmaConfig::default())))
+        .collect();
+    let our_id = REGISTRY_DEVICES / 2;
+    registry.insert(our_id, space.clone());
+    let registry = Mutex::new(registry);
+
+    let mut progress = Progress::new(ProgressMode::detect(args.out.quiet), args.sizes.len() * 3);
+    if machine::is_debug_build() {
+        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
+    }
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        let len = usize::try_from(size)?;
+        let mut buf = vec![0u8; len];
+        let mut buf2 = vec![0u8; len];
+        let src = vec![0xa5u8; len];
+
+        progress.start_step(&format!("read {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.read(REGION_IOVA, &mut buf),
+            &mut || -> Result<(), DmaError> {
+                raw_copy(local.as_ptr(), buf2.as_mut_ptr(), len);
+                Ok(())
+            },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "read: dma_rw vs memcpy",
+            size,
+            SideResult::new("DmaHandle::read", &a),
+            SideResult::new("memcpy", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("write {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.write(REGION_IOVA, &src),
+            &mut || -> Result<(), DmaError> {
+                raw_copy(src.as_ptr(), local.as_ptr(), len);
+                Ok(())
+            },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "write: dma_rw vs memcpy",
+            size,
+            SideResult::new("DmaHandle::write", &a),
+            SideResult::new("memcpy", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("lookup {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || -> Result<(), DmaError> {
+                let space = {
+                    let reg = registry.lock().unwrap_or_else(|p| p.into_inner());
+                    reg.get(&our_id)
+                        .cloned()
+                        .ok_or(DmaError::NotMapped { iova: REGION_IOVA })?
+                };
+                let h: DmaHandle = space.handle();
+                h.read(REGION_IOVA, &mut buf)
+            },
+            &mut || handle.read(REGION_IOVA, &mut buf2),
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "read: lookup per call vs held handle",
+            size,
+            SideResult::new("lookup+read", &a),
+            SideResult::new("held read", &b),
+        ));
+        progress.finish_step();
+    }
+    progress.finish();
+    space.unmap(REGION_IOVA, region, &mut |_, _| {})?;
+    drop(local);
+
+    let report = PairReport {
+        schema: PAIR_SCHEMA,
+        bench: "dma",
+        command: std::env::args().collect(),
+        plan,
+        machine: machine::collect(),
+        rows,
+        unavailable: vec![
+            "fd-less region via DMA_READ/DMA_WRITE: needs the server engine (umdev::server), \
+             which has not landed in this build"
+                .into(),
+        ],
+        notes: vec![
+            "memcpy: copy_nonoverlapping between a local buffer and a second mapping of the \
+             same memfd pages (the physical limit)"
+                .into(),
+            "lookup+read: per call, lock a registry Mutex<HashMap<id, Arc<DmaSpace>>> of 16 \
+             devices, clone the space, space.handle(), read, drop"
+                .into(),
+        ],
+        elapsed_s: started.elapsed().as_secs_f64(),
+    };
+    if !args.out.quiet {
+        println!("umdev bench dma — {}", report.machine.summary());
+    }
+    print!("{}", pair_table(&report));
+    if let Some(path) = &args.out.json {
+        write_json(path, &report)?;
+        println!("JSON: {}", path.display());
+    }
+    println!("{:.1} s", report.elapsed_s);
+    Ok(())
+}
