@@ -446,3 +446,24 @@ mod random_programs {
         }
     }
 }
+
+/// A data page in a DMA mapping without a file descriptor cannot be pinned: the program
+/// ends with DataAddressInvalid (program check) and moves nothing.
+#[test]
+fn test_ccw_data_in_fdless_mapping_program_check() {
+    let mut rig = Rig::new();
+    rig.space
+        .map(umdev::dma::DmaMapping {
+            iova: HOLE,
+            size: 0x10000,
+            prot: umdev::dma::Prot::RW,
+            fd: None,
+            offset: 0,
+        })
+        .unwrap();
+    let st = rig.run(&[CcwWord::read(512, HOLE + 0x1000)], 0);
+    assert_eq!(st.fault(), Some(Fault::DataAddressInvalid), "{st:?}");
+    assert_eq!(st.channel_status, cstat::PROGRAM_CHECK);
+    assert_eq!(st.transferred, 0);
+    rig.assert_no_pins();
+}
