@@ -25,6 +25,7 @@ pub mod io;
 pub mod pins;
 pub mod program;
 pub mod regs;
+pub mod status;
 pub mod worker;
 
 use std::fs::File;
@@ -40,7 +41,8 @@ use umdev::pci::{BarKind, BarSpec, PciConfig, PciDevice, PciIds};
 
 pub use image::CcwError;
 
-use format::{Fault, BLOCK_SIZE};
+use format::BLOCK_SIZE;
+use status::Fault;
 use worker::{Job, Shared, Worker};
 
 /// PCI vendor ID of the ccw device (the unregistered "experimental" vendor ID that QEMU's
