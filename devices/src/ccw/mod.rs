@@ -9,8 +9,9 @@
 //! moves the data between the image and the pinned pages with `pread`/`pwrite`, unpins,
 //! stores a status block and raises MSI vector 0 (or INTx).
 //!
-//! The guest-visible formats are in [`format`], the registers in [`regs`], and
-//! `protocol-docs/devices/ccw.md` documents both for driver authors; [`driver`] holds the
+//! The guest-visible formats are in [`format`](mod@format) and [`status`], the registers in
+//! [`regs`], and
+//! `protocol-docs/devices/ccw.md` documents them for driver authors; [`driver`] holds the
 //! encoders a guest driver (the CLI demo, the tests) uses.
 //!
 //! Pins never outlive a program: they are released before the status is stored, and
