@@ -4,15 +4,19 @@
 //! |---------|---------------------------------|---------------------|-------------------------|
 //! | TRIGGER | fire each vector; count 0 = disable the index (detach its eventfds) | fire where true | attach (`Some`) / detach (`None`) per vector |
 //! | MASK    | mask each vector                | mask where true     | EINVAL                  |
-//! | UNMASK  | unmask each vector (fires a pending one) | unmask where true | ENOTSUP (no resample eventfd) |
+//! | UNMASK  | unmask each vector (fires a pending one) | unmask where true | INTx only: each signal of the fd unmasks (KVM irqfd resample) |
 //!
 //! MASK/UNMASK apply to INTx, MSI and MSI-X (a client mask separate from the guest's); ERR
 //! and REQ accept TRIGGER only.
 
+use std::sync::Arc;
+
 use crate::device::{irq_index, DeviceError, IrqAction, IrqData, SetIrqs};
 
+use super::eventfd_check::check_eventfd;
 use super::state::IrqState;
 use super::vector_set::MaskSource;
+use super::IrqMode;
 
 fn invalid(msg: String) -> DeviceError {
     tracing::warn!("SET_IRQS: {msg}");
@@ -21,7 +25,7 @@ fn invalid(msg: String) -> DeviceError {
 
 impl IrqState {
     /// Validate and apply one SET_IRQS request.
-    pub(crate) fn set_irqs(&self, req: SetIrqs) -> Result<(), DeviceError> {
+    pub(crate) fn set_irqs(self: &Arc<Self>, req: SetIrqs) -> Result<(), DeviceError> {
         let SetIrqs {
             index,
             start,
@@ -37,6 +41,10 @@ impl IrqState {
         if disable && start == 0 {
             tracing::debug!(index, "SET_IRQS: disable index");
             self.eventfds.clear_index(index);
+            if index == irq_index::INTX {
+                self.clear_intx_resample();
+                self.intx.clear_mask();
+            }
             return Ok(());
         }
         let end = start
@@ -58,6 +66,12 @@ impl IrqState {
                 data_len.unwrap_or(0)
             )));
         }
+        if let IrqData::Eventfd(fds) = &data {
+            // All-or-nothing: check every fd before attaching any.
+            for fd in fds.iter().flatten() {
+                check_eventfd(fd)?;
+            }
+        }
         let selected: Vec<u32> = match &data {
             IrqData::None => (start..end).collect(),
             IrqData::Bool(flags) => (start..end)
@@ -73,6 +87,10 @@ impl IrqState {
                     tracing::debug!(index, vector, attach = fd.is_some(), "SET_IRQS eventfd");
                     self.eventfds.set(index, vector, fd);
                 }
+                if index == irq_index::INTX && self.mode() == IrqMode::Intx {
+                    // A trigger nobody heard is still pending (level semantics).
+                    self.intx.retry(|| self.send_intx());
+                }
                 Ok(())
             }
             (IrqAction::Trigger, _) => {
@@ -81,13 +99,15 @@ impl IrqState {
                 }
                 Ok(())
             }
-            (IrqAction::Unmask, IrqData::Eventfd(_)) => {
-                tracing::warn!(
-                    index,
-                    "SET_IRQS: unmask eventfds (irqfd resample) unsupported"
-                );
-                Err(DeviceError::Unsupported)
+            (IrqAction::Unmask, IrqData::Eventfd(fds)) if index == irq_index::INTX => {
+                // count is 1 here (INTx has one vector and the length matched).
+                let fd = fds.into_iter().next().flatten();
+                tracing::debug!(attach = fd.is_some(), "SET_IRQS: INTx unmask eventfd");
+                self.set_intx_resample(fd)
             }
+            (IrqAction::Unmask, IrqData::Eventfd(_)) => Err(invalid(format!(
+                "IRQ index {index}: unmask eventfds exist for INTx only"
+            ))),
             (IrqAction::Mask, IrqData::Eventfd(_)) => Err(invalid(format!(
                 "IRQ index {index}: MASK takes no eventfds"
             ))),
@@ -142,7 +162,7 @@ mod tests {
 
     #[test]
     fn test_set_irqs_vectors_past_count_are_rejected() {
-        let s = IrqState::new(true, 4, 8);
+        let s = Arc::new(IrqState::new(true, 4, 8));
         let bad = [
             req(irq_index::MSI, 2, 3, IrqAction::Trigger, IrqData::None),
             req(
@@ -170,7 +190,7 @@ mod tests {
 
     #[test]
     fn test_set_irqs_mask_on_err_index_is_rejected() {
-        let s = IrqState::new(false, 0, 0);
+        let s = Arc::new(IrqState::new(false, 0, 0));
         let e = s
             .set_irqs(req(irq_index::ERR, 0, 1, IrqAction::Mask, IrqData::None))
             .unwrap_err();
@@ -178,23 +198,76 @@ mod tests {
     }
 
     #[test]
-    fn test_set_irqs_unmask_eventfd_is_unsupported() {
-        let s = IrqState::new(true, 0, 0);
+    fn test_set_irqs_unmask_eventfd_on_msi_is_rejected() {
+        let s = Arc::new(IrqState::new(true, 1, 0));
         let e = s
             .set_irqs(req(
-                irq_index::INTX,
+                irq_index::MSI,
                 0,
                 1,
                 IrqAction::Unmask,
                 IrqData::Eventfd(vec![Some(efd())]),
             ))
             .unwrap_err();
-        assert_eq!(e.errno(), libc::ENOTSUP);
+        assert_eq!(e.errno(), libc::EINVAL);
+    }
+
+    fn wait_readable(fd: &EventFd) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd on the stack.
+        unsafe { libc::poll(&mut p, 1, 5000) == 1 }
+    }
+
+    #[test]
+    fn test_set_irqs_intx_resample_eventfd_unmasks_and_refires() {
+        let s = Arc::new(IrqState::new(true, 0, 0));
+        let trigger = efd();
+        let resample = efd();
+        s.set_irqs(req(
+            irq_index::INTX,
+            0,
+            1,
+            IrqAction::Trigger,
+            IrqData::Eventfd(vec![Some(trigger.try_clone().unwrap())]),
+        ))
+        .unwrap();
+        s.set_irqs(req(
+            irq_index::INTX,
+            0,
+            1,
+            IrqAction::Unmask,
+            IrqData::Eventfd(vec![Some(resample.try_clone().unwrap())]),
+        ))
+        .unwrap();
+        assert!(s.has_intx_resample());
+        assert!(s.trigger(0));
+        assert_eq!(trigger.read().unwrap(), 1);
+        assert!(!s.trigger(0), "automasked: pending");
+        resample.write(1).unwrap(); // the guest's EOI, via KVM
+        assert!(
+            wait_readable(&trigger),
+            "pending INTx re-fired after resample"
+        );
+        assert_eq!(trigger.read().unwrap(), 1);
+        s.set_irqs(req(
+            irq_index::INTX,
+            0,
+            0,
+            IrqAction::Trigger,
+            IrqData::None,
+        ))
+        .unwrap();
+        assert!(!s.has_intx_resample(), "disabling INTx stops the watcher");
     }
 
     #[test]
     fn test_set_irqs_bool_trigger_fires_selected_vectors_only() {
-        let s = IrqState::new(false, 0, 4);
+        let s = Arc::new(IrqState::new(false, 0, 4));
         let fds: Vec<EventFd> = (0..4).map(|_| efd()).collect();
         let attach = fds.iter().map(|f| Some(f.try_clone().unwrap())).collect();
         s.set_irqs(req(
@@ -219,7 +292,7 @@ mod tests {
 
     #[test]
     fn test_set_irqs_count_zero_trigger_disables_index() {
-        let s = IrqState::new(false, 2, 0);
+        let s = Arc::new(IrqState::new(false, 2, 0));
         s.set_irqs(req(
             irq_index::MSI,
             0,
@@ -236,7 +309,7 @@ mod tests {
 
     #[test]
     fn test_set_irqs_detach_with_none_entry() {
-        let s = IrqState::new(false, 0, 0);
+        let s = Arc::new(IrqState::new(false, 0, 0));
         s.set_irqs(req(
             irq_index::ERR,
             0,

@@ -1,10 +1,15 @@
 //! The interrupt state shared by the PCI adapter (connection thread) and the device's
 //! [`Interrupts`](super::Interrupts) handles (any thread).
 
-use crate::device::irq_index;
+use std::sync::{Arc, Mutex};
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::device::{irq_index, DeviceError};
 
 use super::eventfds::EventfdTable;
 use super::intx::IntxState;
+use super::intx_resample::ResampleWatcher;
 use super::vector_set::{MaskSource, VectorSet};
 use super::IrqMode;
 
@@ -15,6 +20,7 @@ pub(crate) struct IrqState {
     pub(crate) intx: IntxState,
     pub(crate) msi: VectorSet,
     pub(crate) msix: VectorSet,
+    resample: Mutex<Option<ResampleWatcher>>,
 }
 
 impl IrqState {
@@ -26,6 +32,7 @@ impl IrqState {
             intx: IntxState::new(intx),
             msi: VectorSet::new(msi_vectors),
             msix: VectorSet::new(msix_vectors),
+            resample: Mutex::new(None),
         }
     }
 
@@ -64,14 +71,17 @@ impl IrqState {
         }
     }
 
+    /// Fire the INTx eventfd.
     pub(crate) fn send_intx(&self) -> bool {
         self.eventfds.fire(irq_index::INTX, 0)
     }
 
+    /// Fire an MSI vector's eventfd.
     pub(crate) fn send_msi(&self, vector: u32) -> bool {
         self.eventfds.fire(irq_index::MSI, vector)
     }
 
+    /// Fire an MSI-X vector's eventfd.
     pub(crate) fn send_msix(&self, vector: u32) -> bool {
         self.eventfds.fire(irq_index::MSIX, vector)
     }
@@ -133,10 +143,45 @@ impl IrqState {
         self.msix.reset();
     }
 
+    /// Attach (`Some`) or detach (`None`) the INTx unmask eventfd.
+    pub(crate) fn set_intx_resample(
+        self: &Arc<Self>,
+        fd: Option<EventFd>,
+    ) -> Result<(), DeviceError> {
+        let watcher = match fd {
+            Some(fd) => {
+                Some(ResampleWatcher::start(fd, Arc::downgrade(self)).map_err(DeviceError::Io)?)
+            }
+            None => None,
+        };
+        // Replacing drops (stops) the old watcher.
+        let old = std::mem::replace(&mut *self.lock_resample(), watcher);
+        drop(old);
+        Ok(())
+    }
+
+    /// True if an INTx unmask eventfd is attached.
+    #[cfg(test)]
+    pub(crate) fn has_intx_resample(&self) -> bool {
+        self.lock_resample().is_some()
+    }
+
+    fn lock_resample(&self) -> std::sync::MutexGuard<'_, Option<ResampleWatcher>> {
+        // The guarded value stays consistent even if a holder panicked.
+        self.resample.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Detach the INTx unmask eventfd (stops its thread).
+    pub(crate) fn clear_intx_resample(&self) {
+        let old = self.lock_resample().take();
+        drop(old);
+    }
+
     /// Client disconnect: detach every eventfd and clear client masks and pending state the
     /// next client knows nothing about; the guest-visible enables stay.
     pub(crate) fn disconnect(&self) {
         self.eventfds.clear_all();
+        self.clear_intx_resample();
         for v in 0..self.msi.count() {
             self.msi.set_mask(MaskSource::Client, v, false, |_| false);
         }

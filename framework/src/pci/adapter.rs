@@ -168,10 +168,17 @@ impl<D: PciDevice> PciAdapter<D> {
 
     fn bar_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         let bar = self.bar(region, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(()); // Nothing to do; spares devices an empty slice.
+        }
         if let Some(shm) = &bar.spec.shared {
             return shm.read_at(offset, data).map_err(DeviceError::Io);
         }
         let slot = bar.spec.index;
+        if bar.ranges.device_only(offset, data.len() as u64) {
+            self.dev.bar_read(slot, offset, data);
+            return Ok(());
+        }
         for (off, len, part) in bar.ranges.split(offset, data.len() as u64) {
             // Pieces lie inside `offset..offset + data.len()`, which fits usize.
             let start = (off - offset) as usize;
@@ -191,10 +198,17 @@ impl<D: PciDevice> PciAdapter<D> {
 
     fn bar_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         let bar = self.bar(region, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(()); // Nothing to do; spares devices an empty slice.
+        }
         if let Some(shm) = &bar.spec.shared {
             return shm.write_at(offset, data).map_err(DeviceError::Io);
         }
         let slot = bar.spec.index;
+        if bar.ranges.device_only(offset, data.len() as u64) {
+            self.dev.bar_write(slot, offset, data);
+            return Ok(());
+        }
         let pieces = bar.ranges.split(offset, data.len() as u64);
         for (off, len, part) in pieces {
             let start = (off - offset) as usize;

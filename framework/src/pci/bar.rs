@@ -83,6 +83,13 @@ impl BarRanges {
         self.ranges.sort_by_key(|r| r.0);
     }
 
+    /// True if `[offset, offset + len)` touches no emulated range (the common case: one
+    /// device call, no allocation).
+    pub(crate) fn device_only(&self, offset: u64, len: u64) -> bool {
+        let end = offset.saturating_add(len);
+        self.ranges.iter().all(|&(s, e, _)| e <= offset || s >= end)
+    }
+
     /// Split `[offset, offset + len)` into pieces `(offset, len, part)`.
     pub(crate) fn split(&self, offset: u64, len: u64) -> Vec<(u64, u64, BarPart)> {
         let end = offset.saturating_add(len);
@@ -169,5 +176,9 @@ mod tests {
         );
         assert_eq!(r.split(0, 4), vec![(0, 4, BarPart::Device)]);
         assert!(r.split(5, 0).is_empty());
+        assert!(r.device_only(0xf8, 8));
+        assert!(!r.device_only(0xf8, 9));
+        assert!(r.device_only(0x148, 0x100));
+        assert!(!r.device_only(0x13f, 1));
     }
 }
