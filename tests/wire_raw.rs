@@ -345,3 +345,15 @@ fn test_raw_default_caps_write_multiple_negotiated() {
     let (_c, reply) = RawClient::negotiated(&ts.path, DEFAULT_CAPS);
     assert!(Version::decode(&reply.payload).unwrap().caps.write_multiple);
 }
+
+#[test]
+fn test_raw_device_panic_answers_eio_and_ends_only_that_connection() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let m = c.region_write(0, REG_PANIC, &[1, 0, 0, 0], 0).unwrap();
+    assert!(m.header.is_error());
+    assert_eq!(m.header.error, libc::EIO as u32);
+    ts.wait_for("teardown after the panic", |s| s.disconnects == 1);
+    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(c.region_read(7, 0, 2), vec![0, 1], "server still serves");
+}

@@ -5,7 +5,9 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use tracing::{debug, debug_span, info, warn};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use tracing::{debug, debug_span, error, info, warn};
 
 use super::channel::{Channel, Incoming};
 use super::remote_dma::ClientDma;
@@ -108,7 +110,9 @@ impl Connection {
         }
     }
 
-    /// Serve until the client disconnects, then release its DMA maps and IRQ fds.
+    /// Serve until the client disconnects, then release its DMA maps and IRQ fds. A panic
+    /// in the device while handling a message is answered with EIO and ends the connection
+    /// (with the usual teardown), not the server.
     pub fn run(mut self) {
         info!("client connected");
         while let Some(m) = self.chan.next_command() {
@@ -130,7 +134,16 @@ impl Connection {
             errno = tracing::field::Empty
         );
         let _enter = span.enter();
-        match self.process(&hdr, &m.payload, m.fds) {
+        let fds = m.fds;
+        let result = catch_unwind(AssertUnwindSafe(|| self.process(&hdr, &m.payload, fds)));
+        let Ok(result) = result else {
+            error!("the device panicked while handling {name}; closing the connection");
+            span.record("errno", libc::EIO);
+            self.chan.send_error(&hdr, libc::EIO);
+            self.chan.close();
+            return;
+        };
+        match result {
             Ok(Some(mut reply)) => {
                 if hdr.no_reply() {
                     return;
