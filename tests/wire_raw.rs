@@ -357,3 +357,34 @@ fn test_raw_device_panic_answers_eio_and_ends_only_that_connection() {
     let mut c = RawClient::new_default(&ts.path);
     assert_eq!(c.region_read(7, 0, 2), vec![0, 1], "server still serves");
 }
+
+#[test]
+fn test_raw_dma_unmap_flag_all_removes_every_map() {
+    use umdev::protocol::wire::Put;
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mem = common::memfd(0x4000);
+    for iova in [0x10_0000u64, 0x20_0000] {
+        let m = DmaMapRequest {
+            flags: 3,
+            offset: 0,
+            iova,
+            size: 0x4000,
+        };
+        let r = c.call(Command::DmaMap as u16, 0, &m.encode(), &[mem.as_raw_fd()]);
+        assert!(!r.header.is_error());
+    }
+    map_fdless(&mut c, 0x30_0000, 0x1000);
+    assert_eq!(ts.dma.stats().maps, 3);
+    // QEMU's unmap_all: flags VFIO_DMA_UNMAP_FLAG_ALL, iova 0, size 0.
+    let mut p = Vec::new();
+    p.put_u32(24);
+    p.put_u32(2);
+    p.put_u64(0);
+    p.put_u64(0);
+    let r = c.call(Command::DmaUnmap as u16, 0, &p, &[]);
+    assert!(!r.header.is_error(), "errno {}", r.header.error);
+    assert_eq!(r.payload, p, "the entry is echoed");
+    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.state().unmaps.len(), 3, "device notified for each map");
+}
