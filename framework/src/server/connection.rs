@@ -10,6 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use tracing::{debug, debug_span, error, info, warn};
 
 use super::channel::{Channel, Incoming};
+use super::error::error_chain;
 use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
 use crate::device::{Device, DeviceInfo};
@@ -157,10 +158,14 @@ impl Connection {
             Err(e) => {
                 let errno = e.errno();
                 span.record("errno", errno);
+                let mut why = error_chain(&e);
+                if !why.starts_with(name) {
+                    why = format!("{name}: {why}");
+                }
                 if hdr.no_reply() {
-                    warn!("{name} (no reply requested) failed: {e}");
+                    warn!("{why} (no reply requested)");
                 } else {
-                    warn!("{name} failed, answering errno {errno}: {e}");
+                    warn!("{why}; answering errno {errno}");
                     self.chan.send_error(&hdr, errno);
                 }
             }

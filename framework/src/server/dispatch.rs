@@ -83,13 +83,11 @@ impl Connection {
                 );
                 Ok(Reply::empty())
             }
-            Err(e) => {
-                warn!(
-                    "DMA_MAP iova={:#x} size={:#x} rejected: {e}",
-                    m.iova, m.size
-                );
-                Err(ServerError::Dma(e))
-            }
+            Err(source) => Err(ServerError::DmaRejected {
+                iova: m.iova,
+                size: m.size,
+                source,
+            }),
         }
     }
 
@@ -111,12 +109,10 @@ impl Connection {
         let report = self
             .dma
             .unmap(u.iova, u.size, &mut |iova, size| dev.dma_unmap(iova, size))
-            .map_err(|e| {
-                warn!(
-                    "DMA_UNMAP iova={:#x} size={:#x} rejected: {e}",
-                    u.iova, u.size
-                );
-                ServerError::Dma(e)
+            .map_err(|source| ServerError::DmaRejected {
+                iova: u.iova,
+                size: u.size,
+                source,
             })?;
         if report.leftover_pins > 0 {
             warn!(
