@@ -129,8 +129,6 @@ fn check_range(what: &'static str, iova: u64, size: u64, pgsize: u64) -> Result<
 pub struct DmaUnmapRequest {
     /// argsz as sent.
     pub argsz: u32,
-    /// FLAG_ALL: remove every mapping (iova and size are 0).
-    pub all: bool,
     /// IOVA of the mapping.
     pub iova: u64,
     /// Size of the mapping.
@@ -181,12 +179,7 @@ impl DmaUnmapRequest {
                     format!("FLAG_ALL with iova {iova:#x} size {size:#x}; both must be 0"),
                 ));
             }
-            return Ok(DmaUnmapRequest {
-                argsz,
-                all: true,
-                iova,
-                size,
-            });
+            return Ok(DmaUnmapRequest { argsz, iova, size });
         }
         if flags != 0 {
             return Err(ProtocolError::Unsupported(
@@ -194,19 +187,19 @@ impl DmaUnmapRequest {
             ));
         }
         check_range("DMA_UNMAP", iova, size, pgsize)?;
-        Ok(DmaUnmapRequest {
-            argsz,
-            all: false,
-            iova,
-            size,
-        })
+        Ok(DmaUnmapRequest { argsz, iova, size })
+    }
+
+    /// True for FLAG_ALL (remove every mapping): the only valid request with size 0.
+    pub fn is_all(&self) -> bool {
+        self.size == 0
     }
 
     /// The reply payload: the request's entry, echoed.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(DMA_UNMAP_SIZE);
         v.put_u32(DMA_UNMAP_SIZE as u32);
-        v.put_u32(if self.all { DMA_UNMAP_FLAG_ALL } else { 0 });
+        v.put_u32(if self.is_all() { DMA_UNMAP_FLAG_ALL } else { 0 });
         v.put_u64(self.iova);
         v.put_u64(self.size);
         v
@@ -264,7 +257,7 @@ mod tests {
         p.put_u64(0);
         p.put_u64(0);
         let u = DmaUnmapRequest::decode(&p, 0, 4096).unwrap();
-        assert!(u.all);
+        assert!(u.is_all());
         assert_eq!(&u.encode()[4..8], &DMA_UNMAP_FLAG_ALL.to_ne_bytes());
         assert_eq!(
             DmaUnmapRequest::decode(&unmap(DMA_UNMAP_FLAG_ALL), 0, 4096)

@@ -93,7 +93,7 @@ impl Connection {
 
     pub(super) fn dma_unmap(&mut self, u: DmaUnmapRequest) -> Result<Reply, ServerError> {
         let mut dev = lock_device(&self.device);
-        if u.all {
+        if u.is_all() {
             let report = self
                 .dma
                 .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size));

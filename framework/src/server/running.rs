@@ -141,7 +141,8 @@ impl Server {
         })
     }
 
-    /// Serve on the calling thread until shut down (use [`Server::spawn`] for a handle).
+    /// Serve until the process ends, blocking the caller. Use [`Server::spawn`] to get a
+    /// [`ShutdownHandle`] and stop the server cleanly.
     pub fn run(self) -> Result<(), ServerError> {
         self.spawn()?.join()
     }
