@@ -3,7 +3,9 @@
 //!
 //! Reading follows a leader/follower rule so that no reply can be stuck behind a busy
 //! thread: whoever holds the read side reads; replies go straight to the waiting
-//! requester (slab of pending requests keyed by message id, one crossbeam channel each);
+//! requester (a table of pending requests keyed by message id, one crossbeam channel each;
+//! ids come from a wrapping counter, so a late reply to a timed-out request cannot be
+//! taken for the reply to the next one);
 //! commands read by a requester are queued in a backlog for the connection thread. The
 //! connection thread holds the read side only while it waits for the next message, never
 //! while it calls the device, so a requester (including the device on the connection
@@ -17,7 +19,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
-use slab::Slab;
+use std::collections::HashMap;
 use tracing::{debug, warn};
 
 use super::socket_io::{
@@ -136,6 +138,41 @@ pub enum RequestError {
     BadReply(ProtocolError),
 }
 
+/// Most server→client requests in flight at once.
+const MAX_IN_FLIGHT: usize = 4096;
+
+/// Pending server→client requests by message id.
+#[derive(Debug, Default)]
+struct Pending {
+    waiting: HashMap<u16, Sender<Incoming>>,
+    next_id: u16,
+}
+
+impl Pending {
+    /// Register a requester; its message id is the next unused value of a wrapping counter.
+    fn insert(&mut self, tx: Sender<Incoming>) -> Option<u16> {
+        if self.waiting.len() >= MAX_IN_FLIGHT {
+            return None;
+        }
+        loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1);
+            if let std::collections::hash_map::Entry::Vacant(v) = self.waiting.entry(id) {
+                v.insert(tx);
+                return Some(id);
+            }
+        }
+    }
+
+    fn take(&mut self, id: u16) -> Option<Sender<Incoming>> {
+        self.waiting.remove(&id)
+    }
+
+    fn clear(&mut self) {
+        self.waiting.clear();
+    }
+}
+
 /// A connection's socket state, shared by the connection thread and requesters.
 #[derive(Debug)]
 pub struct Channel {
@@ -143,7 +180,7 @@ pub struct Channel {
     reader: Mutex<ReadSide>,
     twin: Mutex<Option<UnixStream>>,
     twin_active: AtomicBool,
-    pending: Mutex<Slab<Sender<Incoming>>>,
+    pending: Mutex<Pending>,
     closed: AtomicBool,
     max_xfer: AtomicU32,
     max_message: u32,
@@ -174,7 +211,7 @@ impl Channel {
             }),
             twin: Mutex::new(None),
             twin_active: AtomicBool::new(false),
-            pending: Mutex::new(Slab::new()),
+            pending: Mutex::new(Pending::default()),
             closed: AtomicBool::new(false),
             max_xfer: AtomicU32::new(max_xfer),
             max_message,
@@ -235,8 +272,8 @@ impl Channel {
 
     /// Deliver a reply to its requester.
     pub fn route_reply(&self, m: Incoming) {
-        let id = m.header.msg_id as usize;
-        match lock(&self.pending).try_remove(id) {
+        let id = m.header.msg_id;
+        match lock(&self.pending).take(id) {
             Some(tx) => {
                 let _ = tx.send(m);
             }
@@ -328,14 +365,8 @@ impl Channel {
             return Err(RequestError::Disconnected);
         }
         let (tx, rx) = bounded(1);
-        let id = {
-            let mut p = lock(&self.pending);
-            if p.len() >= u16::MAX as usize {
-                return Err(RequestError::Busy);
-            }
-            p.insert(tx)
-        };
-        let hdr = Header::command(id as u16, cmd, payload.len());
+        let id = lock(&self.pending).insert(tx).ok_or(RequestError::Busy)?;
+        let hdr = Header::command(id, cmd, payload.len());
         let buf = encode_message(&hdr, payload);
         let twin = self.twin_active.load(Ordering::Acquire);
         let sent = if twin {
@@ -347,7 +378,7 @@ impl Channel {
             self.send(&buf, &[])
         };
         if sent.is_err() {
-            lock(&self.pending).try_remove(id);
+            lock(&self.pending).take(id);
             return Err(RequestError::Disconnected);
         }
         let deadline = Instant::now() + self.timeout;
@@ -359,7 +390,7 @@ impl Channel {
             }
             let now = Instant::now();
             if now >= deadline {
-                lock(&self.pending).try_remove(id);
+                lock(&self.pending).take(id);
                 return Err(RequestError::Timeout(self.timeout));
             }
             let slice = (deadline - now).min(PUMP_SLICE);
@@ -457,6 +488,25 @@ mod tests {
             chan.next_command().is_none(),
             "late reply dropped, then EOF"
         );
+    }
+
+    #[test]
+    fn test_request_after_timeout_uses_new_id_late_reply_not_misrouted() {
+        let (chan, peer) = pair(400);
+        assert!(chan.request(Command::DmaRead, &[0; 16]).is_err());
+        let ReadResult::Message(first, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the first request");
+        };
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let ReadResult::Message(second, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the second request");
+        };
+        assert_ne!(first.header.msg_id, second.header.msg_id);
+        // The late reply to the first request must not satisfy the second one.
+        send_message(&peer, &encode_message(&first.header.reply(1), &[1]), &[]).unwrap();
+        send_message(&peer, &encode_message(&second.header.reply(1), &[2]), &[]).unwrap();
+        assert_eq!(t.join().unwrap().unwrap().payload, vec![2]);
     }
 
     #[test]
