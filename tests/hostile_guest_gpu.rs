@@ -4,6 +4,9 @@
 //! device answers with its documented error code (protocol-docs/devices/gpu.md), the server
 //! keeps serving (a following good operation works) and every pin is returned.
 
+mod common;
+#[path = "hostile_guest_rig/raw_vmm.rs"]
+mod raw_vmm;
 #[path = "hostile_guest_rig/mod.rs"]
 mod rig;
 
@@ -660,4 +663,131 @@ fn test_gpu_socket_own_framebuffer_mapped_as_guest_memory_readback_and_blit() {
     vm.served.assert_space_unpinned();
     vm.assert_serving();
     vm.assert_pins_return_to_zero(16);
+}
+
+/// Publish `cmds` at ring offset `tail` of a ring in the raw VMM's fd-less memory; returns
+/// the new tail after waiting until the device consumed them.
+fn fdless_submit(vmm: &mut raw_vmm::RawVmm, tail: u32, cmds: &[Command]) -> u32 {
+    let bytes = Command::encode_bytes(cmds);
+    let t = tail as usize;
+    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
+    let new_tail = tail + bytes.len() as u32;
+    vmm.write32(region_index::BAR0, REG_RING_TAIL, new_tail);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while vmm.read32(region_index::BAR0, REG_RING_HEAD) != new_tail {
+        assert!(std::time::Instant::now() < deadline, "ring head stuck");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    new_tail
+}
+
+fn fdless_setup(vmm: &mut raw_vmm::RawVmm) {
+    let bar = region_index::BAR0;
+    for (off, v) in [
+        (REG_MODE_CTRL, 0),
+        (REG_MODE_WIDTH, W),
+        (REG_MODE_HEIGHT, H),
+        (REG_MODE_STRIDE, W * 4),
+        (REG_MODE_FORMAT, FORMAT_XRGB8888),
+        (REG_MODE_CTRL, 1),
+        (REG_RING_CTRL, 0),
+        (REG_RING_BASE_LO, FDLESS_RING as u32),
+        (REG_RING_BASE_HI, (FDLESS_RING >> 32) as u32),
+        (REG_RING_SIZE, RING_SIZE),
+        (REG_RING_CTRL, 1),
+    ] {
+        vmm.write32(bar, off, v);
+    }
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 1);
+}
+
+const FDLESS_RING: u64 = 0x5000_0000;
+
+#[test]
+fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while_waiting() {
+    use raw_vmm::Answer;
+    let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
+    let timeout = Duration::from_millis(300);
+    let served = Served::start(
+        gpu,
+        DmaConfig::default(),
+        tempfile::tempdir().unwrap(),
+        |c| c.remote_dma_timeout = timeout,
+    );
+    let c = common::RawClient::new_default(&served.path);
+    let mut vmm = raw_vmm::RawVmm::new(c, FDLESS_RING, RING_SIZE as usize);
+    assert_eq!(vmm.map(FDLESS_RING, u64::from(RING_SIZE), None), 0);
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    fdless_setup(&mut vmm);
+    let bar = region_index::BAR0;
+    let mut tail = 0;
+    for (round, answer) in [
+        Answer::Honest,
+        Answer::Errors,
+        Answer::Silent,
+        Answer::Honest,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        vmm.answer = answer;
+        let color = 0x0030_0000 + round as u32;
+        let before = vmm.requests;
+        let fill = Command::FillRect {
+            x: 0,
+            y: 0,
+            w: 1,
+            h: 1,
+            color,
+        };
+        tail = fdless_submit(&mut vmm, tail, &[fill, Command::Fence { value: color }]);
+        assert!(vmm.requests > before, "{answer:?}: no DMA_READ");
+        let got = served.device().device().pixel(0, 0);
+        if answer == Answer::Honest {
+            assert_eq!(got, Some(color), "{answer:?}");
+            assert_eq!(vmm.read32(bar, REG_FENCE_VALUE), color);
+        } else {
+            assert_ne!(
+                got,
+                Some(color),
+                "{answer:?}: commands ran without ring data"
+            );
+            assert_eq!(
+                vmm.read32(bar, REG_ERROR_CODE),
+                ERR_RING_FAULT,
+                "{answer:?}"
+            );
+            vmm.write32(bar, REG_IRQ_ACK, IRQ_ALL);
+        }
+    }
+    // Reset while the worker waits for a DMA_READ the VMM never answers: bounded by the
+    // remote DMA timeout, then the device is back at reset values and works again.
+    vmm.answer = Answer::Silent;
+    let bytes = Command::encode_bytes(&[Command::Nop]);
+    let t = tail as usize;
+    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
+    vmm.write32(bar, REG_RING_TAIL, tail + 4);
+    let started = std::time::Instant::now();
+    let m = vmm.call(umdev::protocol::Command::DeviceReset, &[], &[]);
+    assert!(!m.header.is_error(), "reset errno {}", m.header.error);
+    assert!(
+        started.elapsed() < timeout + Duration::from_secs(3),
+        "reset took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 0);
+    vmm.answer = Answer::Honest;
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    fdless_setup(&mut vmm);
+    let fill = Command::FillRect {
+        x: 1,
+        y: 1,
+        w: 1,
+        h: 1,
+        color: 0x77,
+    };
+    fdless_submit(&mut vmm, 0, &[fill]);
+    assert_eq!(served.device().device().pixel(1, 1), Some(0x77));
+    assert_eq!(served.device().device().pins_held(), 0);
+    served.assert_space_unpinned();
 }
