@@ -29,6 +29,8 @@ pub struct RawVmm {
     pub base: u64,
     /// Requests received so far.
     pub requests: u32,
+    /// Every request received, as (command, iova, count), in arrival order.
+    pub log: Vec<(u16, u64, u64)>,
 }
 
 impl RawVmm {
@@ -39,6 +41,7 @@ impl RawVmm {
             mem: vec![0; size],
             base,
             requests: 0,
+            log: Vec::new(),
         }
     }
 
@@ -53,6 +56,7 @@ impl RawVmm {
             let off = (iova - self.base) as usize;
             let count = count as usize;
             self.requests += 1;
+            self.log.push((m.header.command, iova, count as u64));
             match self.answer {
                 Answer::Silent => {}
                 Answer::Errors => self.c.reply_error(&m.header, libc::EFAULT),
