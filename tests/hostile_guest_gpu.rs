@@ -75,9 +75,13 @@ struct GpuVm {
 
 impl GpuVm {
     fn new(policy: PinPolicy) -> GpuVm {
+        GpuVm::with_lock_limit(policy, 4 << 20)
+    }
+
+    fn with_lock_limit(policy: PinPolicy, lock_limit: u64) -> GpuVm {
         let dma = DmaConfig {
             policy,
-            lock_limit_bytes: Some(4 << 20),
+            lock_limit_bytes: Some(lock_limit),
             ..DmaConfig::default()
         };
         let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
@@ -790,4 +794,37 @@ fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while
     assert_eq!(served.device().device().pixel(1, 1), Some(0x77));
     assert_eq!(served.device().device().pins_held(), 0);
     served.assert_space_unpinned();
+}
+
+#[test]
+fn test_gpu_socket_lock_limit_gtt_fault_nothing_pinned_by_failed_blit() {
+    // 9 pages of locked memory: an 8-page surface (+ the health page) fits, 16 do not.
+    let mut vm = GpuVm::with_lock_limit(PinPolicy::Lock, 9 * 4096);
+    for i in 0..16 {
+        vm.drv
+            .set_gtt(i, SURF_GPA + u64::from(i) * 4096, false)
+            .unwrap();
+    }
+    vm.run_expect(&[blit(0, 4, 16)], ERR_GTT_FAULT);
+    assert_eq!(vm.pins_held(), 0);
+    vm.served.assert_space_unpinned();
+    vm.run(&[blit(0, 4, 8)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pins_held(), 8);
+    let s = vm.served.dma.stats();
+    assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
+    // Entries 8..16 need 8 more pages: refused, the first 8 stay exactly as they were.
+    vm.run_expect(&[blit(8, 4, 8)], ERR_GTT_FAULT);
+    assert_eq!(vm.pins_held(), 8);
+    let s = vm.served.dma.stats();
+    assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
+    vm.served.dma.check_invariants().unwrap();
+    // Dropping the first surface frees the budget for the second.
+    vm.drv.clear_gtt(0, 8).unwrap();
+    vm.run(&[blit(8, 4, 8)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.served.dma.stats().locked_pages, 8);
+    vm.drv.clear_gtt(8, 8).unwrap();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(16);
 }
