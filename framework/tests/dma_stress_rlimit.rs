@@ -71,7 +71,7 @@ fn drop_ipc_lock_capability() {
 fn test_rlimit_mlock_refused_by_kernel_rolls_back_exactly() {
     let _ = memfd; // shared helper module
     drop_ipc_lock_capability();
-                   // 256 KiB of mlock for the whole process; umdev is told it may lock 64 MiB.
+    // 256 KiB of mlock for the whole process; umdev is told it may lock 64 MiB.
     let rl = libc::rlimit {
         rlim_cur: 256 << 10,
         rlim_max: libc::RLIM_INFINITY,
