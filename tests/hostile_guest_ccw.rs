@@ -722,3 +722,34 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
     assert_eq!(served.device().device().pins_held(), 0);
     served.assert_space_unpinned();
 }
+
+#[test]
+fn test_ccw_socket_random_config_space_writes_keep_serving() {
+    let mut vm = CcwVm::new(PinPolicy::Translate, None);
+    let mut rng = Rng::new(78);
+    for step in 0..1500 {
+        let off = if rng.chance(50) {
+            rng.pick(&[
+                0x04u64, 0x06, 0x0c, 0x10, 0x14, 0x30, 0x3c, 0x3d, 0x40, 0x42, 0x44,
+            ])
+        } else {
+            rng.below(256)
+        };
+        let size = rng.pick(&[1usize, 2, 4]).min((256 - off) as usize);
+        let v = rng.next().to_le_bytes();
+        let _ = vm
+            .client
+            .region_write(region_index::CONFIG, off, &v[..size]);
+        if step % 100 == 0 {
+            let mut b = [0u8; 4];
+            vm.client
+                .region_read(region_index::CONFIG, 0, &mut b)
+                .unwrap();
+            assert_eq!(u32::from_le_bytes(b), 0x0cc1_1234, "vendor/device changed");
+        }
+    }
+    enable_device(&mut vm.client);
+    let irq = vm.reg(regs::IRQ_STATUS);
+    vm.set_reg(regs::IRQ_STATUS, irq);
+    vm.assert_serving();
+}

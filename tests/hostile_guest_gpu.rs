@@ -828,3 +828,45 @@ fn test_gpu_socket_lock_limit_gtt_fault_nothing_pinned_by_failed_blit() {
     vm.assert_serving();
     vm.assert_pins_return_to_zero(16);
 }
+
+#[test]
+fn test_gpu_socket_random_config_space_writes_keep_serving() {
+    let mut vm = GpuVm::new(PinPolicy::Lock);
+    let mut rng = Rng::new(77);
+    let mut refused = 0;
+    for step in 0..1500 {
+        let off = if rng.chance(50) {
+            rng.pick(&[
+                0x04u64, 0x06, 0x0c, 0x10, 0x14, 0x18, 0x1c, 0x20, 0x24, 0x30, 0x3c, 0x3d,
+            ])
+        } else {
+            rng.below(256)
+        };
+        let size = rng.pick(&[1usize, 2, 4]).min((256 - off) as usize);
+        let v = rng.next().to_le_bytes();
+        if vm
+            .client()
+            .region_write(region_index::CONFIG, off, &v[..size])
+            .is_err()
+        {
+            refused += 1;
+        }
+        if step % 100 == 0 {
+            // Whatever the guest did to its config space, the socket still answers.
+            let mut b = [0u8; 4];
+            vm.client()
+                .region_read(region_index::CONFIG, 0, &mut b)
+                .unwrap();
+            assert_eq!(u32::from_le_bytes(b), 0x5547_1234, "vendor/device changed");
+        }
+    }
+    eprintln!("config storm: {refused} writes refused");
+    // The guest driver re-enables the device and carries on.
+    enable_device(vm.client());
+    assert_eq!(vm.reg(REG_ID), ID_MAGIC);
+    vm.drv.ack(IRQ_ALL).unwrap();
+    vm.drv.set_mode(W, H, W * 4).unwrap();
+    vm.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(0);
+}
