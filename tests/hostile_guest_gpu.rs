@@ -870,3 +870,35 @@ fn test_gpu_socket_random_config_space_writes_keep_serving() {
     vm.assert_serving();
     vm.assert_pins_return_to_zero(0);
 }
+
+#[test]
+fn test_gpu_socket_refused_pin_upgrade_keeps_read_only_pins_exactly() {
+    let mut vm = GpuVm::new(PinPolicy::Lock);
+    // Entry 0 in RW memory, entry 1 in read-only memory, both marked WRITABLE.
+    vm.drv.set_gtt(0, SURF_GPA, true).unwrap();
+    vm.drv.set_gtt(1, RO_GPA, true).unwrap();
+    vm.run(&[blit(0, 4, 2)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pins_held(), 2);
+    let before = vm.served.dma.stats();
+    assert_eq!((before.pinned_pages, before.locked_pages), (2, 2));
+    // READBACK needs both writable: the upgrade of entry 1 is refused as a whole.
+    vm.run_expect(&[readback(0, 4, 2)], ERR_GTT_FAULT);
+    assert_eq!(
+        vm.pins_held(),
+        2,
+        "read-only pins lost by the failed upgrade"
+    );
+    let after = vm.served.dma.stats();
+    assert_eq!(
+        (after.pinned_pages, after.locked_pages),
+        (2, 2),
+        "{before:?} -> {after:?}"
+    );
+    vm.served.dma.check_invariants().unwrap();
+    // The read-only pins still serve blits.
+    vm.run(&[blit(0, 4, 2)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(2);
+}
