@@ -308,8 +308,9 @@ fn test_stress_device_ignoring_notifier_writes_scratch_never_unmapped_memory() {
         let mut addrs = [0u64; SLOT_PAGES as usize];
         h.pin_pages(&pfns, Prot::RW, &mut addrs).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(AtomicU64::new(0));
         let writer = {
-            let (h, stop) = (h.clone(), stop.clone());
+            let (h, stop, progress) = (h.clone(), stop.clone(), progress.clone());
             thread::spawn(move || {
                 let mut n = 0u64;
                 while !stop.load(SeqCst) {
@@ -320,20 +321,28 @@ fn test_stress_device_ignoring_notifier_writes_scratch_never_unmapped_memory() {
                         page.write_obj(0x42u8, (n % PAGE_SIZE) as usize).unwrap();
                     }
                     n += 1;
+                    progress.store(n, SeqCst);
                 }
-                n
             })
         };
-        thread::sleep(Duration::from_millis(2));
+        // Wait for the writer to be running (however loaded the machine), then unmap under it.
+        let wait_for = |n: u64| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while progress.load(SeqCst) < n {
+                assert!(Instant::now() < deadline, "writer thread does not run");
+                thread::yield_now();
+            }
+        };
+        wait_for(10);
         let report = space
             .unmap(slot_iova(0), SLOT_PAGES * PAGE_SIZE, &mut |_, _| {})
             .unwrap();
         assert_eq!(report.leftover_pins, SLOT_PAGES, "round {round}");
         poison(&file);
-        thread::sleep(Duration::from_millis(5));
+        // Many more writes through the stale addresses after the unmap returned.
+        wait_for(progress.load(SeqCst) + 200);
         stop.store(true, SeqCst);
-        let writes = writer.join().unwrap();
-        assert!(writes > 0);
+        writer.join().unwrap();
         assert_still_poisoned(&file, &format!("round {round}"));
         // The device's late unpin is refused, without underflowing anything.
         assert!(matches!(
