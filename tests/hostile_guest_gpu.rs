@@ -902,3 +902,29 @@ fn test_gpu_socket_refused_pin_upgrade_keeps_read_only_pins_exactly() {
     vm.assert_serving();
     vm.assert_pins_return_to_zero(2);
 }
+
+#[test]
+fn test_gpu_socket_vmm_shrinks_pinned_memfd_server_survives() {
+    // A hostile VMM truncates guest memory the GPU has pinned: the next blit touches pages
+    // that no longer exist. The server must not die (SIGBUS); the device reads zeros.
+    let mut vm = GpuVm::new(PinPolicy::Translate);
+    const GPA: u64 = 0x6000_0000;
+    let mem = rig::memfd(16 * 4096);
+    std::os::unix::fs::FileExt::write_all_at(&mem, &[0x77; 16 * 4096], 0).unwrap();
+    let dma = vm.served.dma.clone();
+    rig::client_map(vm.client(), &dma, &mem, 0, GPA, 16 * 4096);
+    for i in 0..4 {
+        vm.drv.set_gtt(i, GPA + u64::from(i) * 4096, true).unwrap();
+    }
+    vm.run(&[blit(0, 4, 4)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pixel(3, 3), Some(0x7777_7777));
+    mem.set_len(0).unwrap();
+    vm.run(&[blit(0, 4, 4), readback(0, 4, 4)]);
+    assert_eq!(vm.pixel(3, 3), Some(0), "vanished pages read as zeros");
+    vm.client().dma_unmap(GPA, 16 * 4096).unwrap();
+    assert_eq!(vm.pins_held(), 0);
+    vm.served.assert_space_unpinned();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(4);
+}
