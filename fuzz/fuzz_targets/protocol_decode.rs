@@ -5,7 +5,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use umdev::protocol::dma_rw::{decode_dma_read_reply, decode_dma_rw_request, decode_dma_write_reply};
+use umdev::protocol::dma_rw::{
+    decode_dma_read_reply, decode_dma_rw_request, decode_dma_write_reply,
+};
 use umdev::protocol::version::{negotiate, ServerOffer, Version};
 use umdev::protocol::{decode_request, Header, Limits, MessageType, HEADER_SIZE};
 

@@ -80,7 +80,9 @@ pub fn run_stream(bytes: &[u8], twin: bool) {
 pub fn version_message() -> Vec<u8> {
     use umdev::protocol::{encode_message, Command, Header};
     let mut p = vec![0u8, 0, 0, 0];
-    p.extend_from_slice(br#"{"capabilities":{"max_data_xfer_size":4096,"write_multiple":true,"x":[1]}}"#);
+    p.extend_from_slice(
+        br#"{"capabilities":{"max_data_xfer_size":4096,"write_multiple":true,"x":[1]}}"#,
+    );
     p.push(0);
     encode_message(&Header::command(1, Command::Version, p.len()), &p)
 }
