@@ -30,7 +30,7 @@ fn cycle(c: &mut RawClient, mem: &std::fs::File, i: u64) {
         iova,
         size,
     };
-    let fds = if i % 2 == 0 {
+    let fds = if i.is_multiple_of(2) {
         vec![mem.as_raw_fd()]
     } else {
         vec![]
