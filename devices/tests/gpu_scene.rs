@@ -143,6 +143,9 @@ fn test_scene_translate_matches_model_exactly_and_releases_pins() {
     assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
     // 7 + 4 GTT pages pinned (cached until the GTT changes).
     assert_eq!(rig.gpu().pins_held(), 11);
+    let observer = rig.gpu().handle();
+    assert_eq!(observer.pins_held(), 11);
+    assert_eq!(observer.pixel(160, 30), rig.gpu().pixel(160, 30));
     assert_eq!(rig.space.stats().pinned_pages, 11);
     rig.assert_no_pins_after_gtt_clear();
 }
@@ -452,5 +455,27 @@ fn test_write_png_produces_decodable_image() {
         [buf[i], buf[i + 1], buf[i + 2]],
         [(want >> 16) as u8, (want >> 8) as u8, want as u8]
     );
+    rig.assert_no_pins_after_gtt_clear();
+}
+
+#[test]
+fn test_demo_scene_draws_surface_and_frame() {
+    use umdev_devices::gpu::demo_scene::{self, SURFACE_PAGES};
+    let mut rig = Rig::new(PinPolicy::Translate);
+    // Scatter the surface: every third page, backwards.
+    let pages: Vec<u64> = (0..SURFACE_PAGES as u64)
+        .rev()
+        .map(|k| SURFACE_GPA + k * 3 * 4096)
+        .collect();
+    let summary = demo_scene::draw(&mut rig.drv, &mut rig.ram, &pages, (W, H)).unwrap();
+    assert!(summary.commands > 20);
+    assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
+    let (x0, y0) = (W / 8, H / 8);
+    assert_eq!(
+        rig.gpu().pixel(x0 + 5, y0 + 7),
+        Some(demo_scene::surface_pixel(5, 7))
+    );
+    assert_eq!(rig.gpu().pixel(0, 0), Some(0xff_c000));
+    assert_eq!(rig.gpu().pins_held(), SURFACE_PAGES);
     rig.assert_no_pins_after_gtt_clear();
 }

@@ -17,14 +17,12 @@ use crossbeam_channel::Receiver;
 use umdev::dma::{DmaError, DmaHandle};
 use umdev::irq::Interrupts;
 
-use super::format::{
-    opb_flags, Fault, OperationBlock, StatusBlock, BLOCK_SIZE, OPB_ALIGN, OPB_SIZE,
-    STATUS_BLOCK_SIZE,
-};
+use super::format::{opb_flags, OperationBlock, BLOCK_SIZE, OPB_ALIGN, OPB_SIZE};
 use super::io::{execute, unit_check_sense, Completion, SenseData};
 use super::pins::{range_intersects, PinFailure, PinnedPages, ProgramPages};
 use super::program::{parse, GuestRead, ParseLimits};
 use super::regs::{IRQ_DONE, IRQ_STATUS_LOST};
+use super::status::{Fault, StatusBlock, STATUS_BLOCK_SIZE};
 
 /// How long reset/unmap/disconnect wait for the worker before giving up (and logging).
 pub const WAIT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -139,6 +137,7 @@ impl Shared {
                 }
             }
         }
+        self.flight_cv.notify_all();
         let released = self.wait_until(|f| !matches!(f.phase, Phase::Pinned(_)));
         if !released {
             tracing::warn!(iova, size, "ccw: program did not release its pins in time");
@@ -153,6 +152,7 @@ impl Shared {
             f.epoch = f.epoch.wrapping_add(1);
             f.abort = true;
         }
+        self.flight_cv.notify_all();
         if !self.wait_until(|f| matches!(f.phase, Phase::Idle)) {
             tracing::warn!("ccw: worker did not stop in time");
         }

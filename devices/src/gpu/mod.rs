@@ -19,6 +19,7 @@
 //! ```
 
 pub mod commands;
+pub mod demo_scene;
 pub mod driver;
 pub mod error;
 pub mod framebuffer;
@@ -79,40 +80,13 @@ impl Default for GpuConfig {
     }
 }
 
-/// The GPU device. Serve it through [`umdev::pci::PciAdapter`].
-pub struct Gpu {
+/// An observer of a [`Gpu`]: cheap to clone, `Send + Sync`; see [`Gpu::handle`].
+#[derive(Clone)]
+pub struct GpuHandle {
     shared: Arc<Shared>,
-    dma: Option<DmaHandle>,
-    worker: Option<Worker>,
-    fb_size: u64,
 }
 
-impl Gpu {
-    /// Create the device and its framebuffer memory.
-    pub fn new(config: GpuConfig) -> std::io::Result<Gpu> {
-        let fb_size = config.fb_size;
-        if !fb_size.is_power_of_two() || fb_size < 64 * 1024 || fb_size > u64::from(u32::MAX) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "framebuffer size must be a power of two between 64 KiB and 2 GiB",
-            ));
-        }
-        let mem = Arc::new(SharedMemory::new("umdev-gpu-fb", fb_size)?);
-        let shared = Arc::new(Shared {
-            regs: Mutex::new(Regs::default()),
-            idle: Condvar::new(),
-            gtt: GttCell::new(GTT_ENTRIES),
-            fb: Framebuffer::new(mem),
-            irq: Mutex::new(Interrupts::default()),
-        });
-        Ok(Gpu {
-            shared,
-            dma: None,
-            worker: None,
-            fb_size,
-        })
-    }
-
+impl GpuHandle {
     /// Number of GTT entries currently holding a pin.
     pub fn pins_held(&self) -> usize {
         self.shared.gtt.lock().pins_held()
@@ -150,6 +124,79 @@ impl Gpu {
     /// Write the visible part of the framebuffer (current mode) to a PNG file.
     pub fn write_png(&self, path: &Path) -> Result<(), PngError> {
         png_dump::write_png(&self.shared.fb, &self.mode(), path)
+    }
+}
+
+/// The GPU device. Serve it through [`umdev::pci::PciAdapter`].
+pub struct Gpu {
+    shared: Arc<Shared>,
+    dma: Option<DmaHandle>,
+    worker: Option<Worker>,
+    fb_size: u64,
+}
+
+impl Gpu {
+    /// Create the device and its framebuffer memory.
+    pub fn new(config: GpuConfig) -> std::io::Result<Gpu> {
+        let fb_size = config.fb_size;
+        if !fb_size.is_power_of_two() || fb_size < 64 * 1024 || fb_size > u64::from(u32::MAX) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "framebuffer size must be a power of two between 64 KiB and 2 GiB",
+            ));
+        }
+        let mem = Arc::new(SharedMemory::new("umdev-gpu-fb", fb_size)?);
+        let shared = Arc::new(Shared {
+            regs: Mutex::new(Regs::default()),
+            idle: Condvar::new(),
+            gtt: GttCell::new(GTT_ENTRIES),
+            fb: Framebuffer::new(mem),
+            irq: Mutex::new(Interrupts::default()),
+        });
+        Ok(Gpu {
+            shared,
+            dma: None,
+            worker: None,
+            fb_size,
+        })
+    }
+
+    /// A cloneable observer of the device (framebuffer, mode, pins) that stays usable after
+    /// the device itself has been handed to a server.
+    pub fn handle(&self) -> GpuHandle {
+        GpuHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Number of GTT entries currently holding a pin.
+    pub fn pins_held(&self) -> usize {
+        self.handle().pins_held()
+    }
+
+    /// The framebuffer (BAR2).
+    pub fn framebuffer(&self) -> &Framebuffer {
+        &self.shared.fb
+    }
+
+    /// The current mode registers.
+    pub fn mode(&self) -> Mode {
+        self.handle().mode()
+    }
+
+    /// Pixel (`x`, `y`) of the current mode, if inside it.
+    pub fn pixel(&self, x: u32, y: u32) -> Option<u32> {
+        self.handle().pixel(x, y)
+    }
+
+    /// Wait until every published command has been executed; false on timeout.
+    pub fn wait_idle(&self, timeout: Duration) -> bool {
+        self.shared.wait_idle(timeout)
+    }
+
+    /// Write the visible part of the framebuffer (current mode) to a PNG file.
+    pub fn write_png(&self, path: &Path) -> Result<(), PngError> {
+        self.handle().write_png(path)
     }
 
     fn release_all_pins(&self) {
