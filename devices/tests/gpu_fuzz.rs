@@ -36,6 +36,8 @@ fn offset() -> impl Strategy<Value = u64> {
             REG_IRQ_ACK,
             REG_ERROR_CODE,
             REG_FENCE_VALUE,
+            REG_GTT_INVAL_START,
+            REG_GTT_INVAL_COUNT,
         ]),
         (0u64..16).prop_map(|i| GTT_BASE + i * 8),
         (0u64..BAR0_SIZE - 8),

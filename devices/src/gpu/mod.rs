@@ -231,6 +231,8 @@ impl Gpu {
             REG_ERROR_INFO => r.error_info,
             REG_ERROR_COUNT => r.error_count,
             REG_FENCE_VALUE => r.fence,
+            REG_GTT_INVAL_START => r.gtt_inval_start,
+            REG_GTT_INVAL_COUNT => r.gtt_inval_count,
             _ => 0,
         }
     }
@@ -242,6 +244,10 @@ impl Gpu {
             Ok(WriteEffect::RingStopped) => self.shared.idle.notify_all(),
             Ok(WriteEffect::Raise) => self.shared.raise(),
             Ok(WriteEffect::Lower) => lock(&self.shared.irq).lower_intx(),
+            Ok(WriteEffect::InvalidateGtt { start, count }) => {
+                let pfns = self.shared.gtt.lock().invalidate(start, count);
+                gtt::release(self.dma.as_ref(), &pfns);
+            }
             Ok(WriteEffect::Doorbell) => match &self.worker {
                 Some(w) => w.doorbell(),
                 None => {
@@ -421,6 +427,11 @@ enum WriteEffect {
     Raise,
     /// No enabled cause is pending any more: lower the INTx line.
     Lower,
+    /// Invalidate GTT entries and release their pins in one call.
+    InvalidateGtt {
+        start: u32,
+        count: u32,
+    },
     RingStopped,
 }
 
@@ -490,6 +501,14 @@ fn apply_reg_write(r: &mut Regs, fb_size: u64, off: u64, val: u32) -> Result<Wri
             if r.irq_status & r.irq_enable == 0 {
                 return Ok(WriteEffect::Lower);
             }
+        }
+        REG_GTT_INVAL_START => r.gtt_inval_start = val,
+        REG_GTT_INVAL_COUNT => {
+            r.gtt_inval_count = val;
+            return Ok(WriteEffect::InvalidateGtt {
+                start: r.gtt_inval_start,
+                count: val,
+            });
         }
         REG_IRQ_ACK => {
             r.ack(val & IRQ_ALL);
