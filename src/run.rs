@@ -1,14 +1,160 @@
-//! `umdev run`: serve an example device (being written).
+//! `umdev run`: serve an example device on a vfio-user socket until Ctrl-C.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::ValueEnum;
+use umdev::device::Device;
+use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
+use umdev::pci::PciAdapter;
+use umdev::server::{Server, ServerConfig};
+use umdev_devices::ccw::{Ccw, CcwConfig};
+use umdev_devices::gpu::{Gpu, GpuConfig};
+
 use crate::{CliResult, DeviceKind};
+
+/// Residency policy for pinned pages (see protocol-docs/dma.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    /// Refcount and translate only.
+    Translate,
+    /// mlock each pinned run, counted against the lock limit.
+    Lock,
+    /// Prefault each pinned run with MADV_POPULATE_READ/WRITE.
+    Populate,
+}
+
+impl From<PolicyArg> for PinPolicy {
+    fn from(p: PolicyArg) -> PinPolicy {
+        match p {
+            PolicyArg::Translate => PinPolicy::Translate,
+            PolicyArg::Lock => PinPolicy::Lock,
+            PolicyArg::Populate => PinPolicy::Populate,
+        }
+    }
+}
 
 /// Arguments of `umdev run`.
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "QEMU 10.1+ attaches with (guest RAM must be a shared memfd for pinning):\n  \
+qemu-system-x86_64 -machine q35 \\\n    \
+-object memory-backend-memfd,id=mem,size=1G,share=on -machine memory-backend=mem \\\n    \
+-device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"/run/umdev/gpu.sock\"}}'"
+)]
 pub struct RunArgs {
     /// Device to serve.
     pub device: DeviceKind,
+    /// Path of the vfio-user UNIX socket to create.
+    #[arg(long, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// Backing image file of the ccw device (created if missing).
+    #[arg(long, value_name = "FILE", default_value = "umdev-ccw.img")]
+    pub image: PathBuf,
+    /// Capacity of a newly created ccw image, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    pub image_size_mib: u64,
+    /// How pinned guest pages are made resident.
+    #[arg(long, value_enum, default_value_t = PolicyArg::Translate)]
+    pub pin_policy: PolicyArg,
+    /// Locked-memory limit in bytes for `--pin-policy lock` (default: RLIMIT_MEMLOCK).
+    #[arg(long, value_name = "BYTES")]
+    pub lock_limit: Option<u64>,
+    /// Permission bits of the socket file, octal (default 600: only the owner connects).
+    #[arg(long, value_name = "OCTAL", default_value = "600", value_parser = parse_mode)]
+    pub socket_mode: u32,
+    /// Record every pin array the device issues to FILE (replay with `umdev bench pin --trace`).
+    #[arg(long, value_name = "FILE")]
+    pub record_pins: Option<PathBuf>,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let v = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|e| format!("socket mode must be octal (e.g. 600): {e}"))?;
+    if v > 0o777 {
+        return Err("socket mode must be at most 777".into());
+    }
+    Ok(v)
+}
+
+/// Build the example device `kind` wrapped for the server.
+pub fn build_device(
+    kind: DeviceKind,
+    args: &RunArgs,
+) -> Result<Box<dyn Device>, Box<dyn std::error::Error>> {
+    Ok(match kind {
+        DeviceKind::Gpu => Box::new(PciAdapter::new(Gpu::new(GpuConfig::default())?)?),
+        DeviceKind::Ccw => {
+            let blocks = args
+                .image_size_mib
+                .checked_mul(2048)
+                .ok_or("image size too large")?;
+            let cfg = if args.image.exists() {
+                CcwConfig::new(&args.image)
+            } else {
+                CcwConfig::new(&args.image).with_capacity(blocks)
+            };
+            Box::new(PciAdapter::new(Ccw::new(cfg)?)?)
+        }
+    })
+}
+
+/// Block SIGINT/SIGTERM in this thread (and the threads it spawns later) so that
+/// `wait_for_signal` can take them synchronously.
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t; pthread_sigmask only changes this thread's mask.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    set
+}
+
+fn wait_for_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    // SAFETY: `set` holds signals blocked in every thread; sigwait writes `sig`.
+    unsafe { libc::sigwait(set, &mut sig) };
+    sig
 }
 
 /// Entry point.
-pub fn run(_args: RunArgs) -> CliResult {
-    Err("umdev run is not implemented yet".into())
+pub fn run(args: RunArgs) -> CliResult {
+    let sigs = block_signals();
+    let dma = DmaSpace::new(DmaConfig {
+        policy: args.pin_policy.into(),
+        lock_limit_bytes: args.lock_limit,
+        ..DmaConfig::default()
+    });
+    if let Some(path) = &args.record_pins {
+        let rec = crate::bench::trace::trace_recorder(path)
+            .map_err(|e| format!("cannot record pins to {}: {e}", path.display()))?;
+        dma.set_pin_recorder(Some(rec));
+        tracing::info!("recording pin arrays to {}", path.display());
+    }
+    let device = build_device(args.device, &args)?;
+    let mut config = ServerConfig::new(&args.socket);
+    config.socket_mode = args.socket_mode;
+    let server = Server::new(config, device, Arc::clone(&dma)).spawn()?;
+    tracing::info!(
+        "serving {:?} on {} (pin policy {:?}); Ctrl-C to stop",
+        args.device,
+        args.socket.display(),
+        args.pin_policy
+    );
+    let sig = wait_for_signal(&sigs);
+    tracing::info!("signal {sig}: shutting down");
+    server.shutdown()?;
+    dma.set_pin_recorder(None);
+    let stats = dma.stats();
+    tracing::info!(
+        "stopped: {} maps, {} pinned pages, {} leaked pins force-released",
+        stats.maps,
+        stats.pinned_pages,
+        stats.leaked_pins_released
+    );
+    Ok(())
 }

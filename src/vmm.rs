@@ -266,3 +266,28 @@ pub fn wait_eventfd(efd: &EventFd, timeout: Duration) -> Option<u64> {
         }
     }
 }
+
+impl umdev_devices::gpu::driver::GuestRam for GuestRam {
+    fn write(&mut self, gpa: u64, data: &[u8]) -> io::Result<()> {
+        GuestRam::write(self, gpa, data)
+    }
+    fn read(&mut self, gpa: u64, buf: &mut [u8]) -> io::Result<()> {
+        GuestRam::read(self, gpa, buf)
+    }
+}
+
+/// BAR0 of the device through the vfio-user client, for the example devices' guest drivers.
+pub struct Bar0<'a>(pub &'a mut vfio_user::Client);
+
+impl umdev_devices::gpu::driver::RegisterAccess for Bar0<'_> {
+    fn read32(&mut self, off: u64) -> io::Result<u32> {
+        let mut b = [0u8; 4];
+        self.0.region_read(0, off, &mut b).map_err(other)?;
+        Ok(u32::from_le_bytes(b))
+    }
+    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
+        self.0
+            .region_write(0, off, &val.to_le_bytes())
+            .map_err(other)
+    }
+}

@@ -104,3 +104,50 @@ fn test_ccw_lock_contiguous_list_coalesces_to_one_mlock() {
     assert_eq!(syscalls[0], 2, "mlock + munlock for one run");
     assert_eq!(syscalls[1], 2 * n, "one mlock + munlock per page");
 }
+
+/// Measurement (ignored by default; run with `--ignored --nocapture`): mean time per
+/// 64 KiB READ program whose 16-page IDAW list is contiguous vs scattered, under Translate
+/// and Lock, measured in one run so the ratios compare like with like.
+#[test]
+#[ignore]
+fn test_ccw_measure_program_time_contiguous_vs_scattered() {
+    let n = 16u64;
+    let contiguous: Vec<u64> = (0..n).map(|i| DATA + i * 4096).collect();
+    let scattered: Vec<u64> = (0..n)
+        .rev()
+        .map(|i| DATA + 0x40000 + 2 * i * 4096)
+        .collect();
+    let iters = 300;
+    for policy in [PinPolicy::Translate, PinPolicy::Lock] {
+        let mut rig = Rig::with(RigOptions {
+            policy,
+            lock_limit: Some(1 << 20),
+            intx: false,
+        });
+        let mut means = Vec::new();
+        for list in [&contiguous, &scattered] {
+            rig.guest_write(IDAWS, &driver::encode_idaws(list));
+            let program = [CcwWord::read(65535, IDAWS).ida(n as u32)];
+            for _ in 0..20 {
+                assert!(rig.run(&program, 0).is_ok());
+            }
+            let sys0 = rig.space.stats().residency_syscalls;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                assert!(rig.run(&program, 0).is_ok());
+            }
+            let per = t.elapsed().as_secs_f64() * 1e6 / f64::from(iters);
+            let sys = (rig.space.stats().residency_syscalls - sys0) as f64 / f64::from(iters);
+            means.push((per, sys));
+        }
+        eprintln!(
+            "{policy:?}: contiguous {:.1} us/program ({:.0} residency syscalls), scattered {:.1} us/program ({:.0}), scattered/contiguous = {:.2}",
+            means[0].0,
+            means[0].1,
+            means[1].0,
+            means[1].1,
+            means[1].0 / means[0].0
+        );
+        rig.assert_no_pins();
+    }
+}

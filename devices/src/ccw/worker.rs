@@ -139,6 +139,7 @@ impl Shared {
                 }
             }
         }
+        self.flight_cv.notify_all();
         let released = self.wait_until(|f| !matches!(f.phase, Phase::Pinned(_)));
         if !released {
             tracing::warn!(iova, size, "ccw: program did not release its pins in time");
@@ -153,6 +154,7 @@ impl Shared {
             f.epoch = f.epoch.wrapping_add(1);
             f.abort = true;
         }
+        self.flight_cv.notify_all();
         if !self.wait_until(|f| matches!(f.phase, Phase::Idle)) {
             tracing::warn!("ccw: worker did not stop in time");
         }

@@ -1,0 +1,149 @@
+//! hello — the smallest complete umdev device, as a template for writing your own.
+//!
+//! One BAR with three registers, one DMA operation, one interrupt:
+//! - `0x00 ID` (read-only): the magic `0x4845_4c4f` ("HELO").
+//! - `0x08 ADDR` (64-bit): guest address of a little-endian u64 counter.
+//! - `0x10 DOORBELL` (write): the device adds the written value to the counter in guest
+//!   memory (a DMA read and a DMA write) and raises interrupt vector 0.
+//!
+//! `cargo run --example hello` serves the device on a socket and drives it with the
+//! embedded VMM (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve
+//! it, e.g. for QEMU 10.1+ (see the README for the command line).
+use std::{env, path::PathBuf, time::Duration};
+
+use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
+use umdev::irq::Interrupts;
+use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
+use umdev::server::{Server, ServerConfig};
+use umdev_cli::vmm::{wait_eventfd, Vmm};
+
+const REG_ID: u64 = 0x00;
+const REG_ADDR: u64 = 0x08;
+const REG_DOORBELL: u64 = 0x10;
+const MAGIC: u32 = 0x4845_4c4f;
+
+/// The device: its registers plus the handles it got at attach time.
+#[derive(Default)]
+struct Hello {
+    addr: u64,
+    dma: Option<DmaHandle>,
+    irq: Interrupts,
+}
+
+impl PciDevice for Hello {
+    fn config(&self) -> PciConfig {
+        PciConfig {
+            ids: PciIds {
+                vendor: 0x1af4,
+                device: 0x10f0,
+                class_code: 0xff_00_00,
+                ..Default::default()
+            },
+            bars: vec![BarSpec {
+                index: 0,
+                size: 4096,
+                kind: BarKind::Mmio32,
+                prefetchable: false,
+                shared: None,
+            }],
+            intx: true,
+            msi_vectors: 1,
+            msix: None,
+        }
+    }
+
+    fn attach(&mut self, dma: DmaHandle, irq: Interrupts) {
+        self.dma = Some(dma);
+        self.irq = irq;
+    }
+
+    fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
+        let value = match offset {
+            REG_ID => u64::from(MAGIC),
+            REG_ADDR => self.addr,
+            _ => 0, // unimplemented registers read as zero
+        };
+        let n = data.len().min(8);
+        data[..n].copy_from_slice(&value.to_le_bytes()[..n]);
+    }
+
+    fn bar_write(&mut self, _bar: usize, offset: u64, data: &[u8]) {
+        let mut bytes = [0u8; 8];
+        bytes[..data.len().min(8)].copy_from_slice(&data[..data.len().min(8)]);
+        match (offset, u64::from_le_bytes(bytes)) {
+            (REG_ADDR, value) => self.addr = value,
+            (REG_DOORBELL, value) => self.ring(value),
+            _ => tracing::debug!("hello: write to unknown register {offset:#x} ignored"),
+        }
+    }
+
+    fn reset(&mut self) {
+        self.addr = 0;
+    }
+}
+
+impl Hello {
+    /// The one DMA operation. The guest chose the address: any failure (unmapped,
+    /// read-only, fd-less without a client) is logged, never a panic.
+    fn ring(&mut self, add: u64) {
+        let Some(dma) = &self.dma else { return };
+        let result = dma
+            .read_obj::<u64>(self.addr)
+            .and_then(|v| dma.write_obj(self.addr, &v.wrapping_add(add)));
+        match result {
+            Ok(()) => {
+                self.irq.trigger(0);
+            }
+            Err(e) => tracing::warn!("hello: DMA at {:#x} failed: {e}", self.addr),
+        }
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args: Vec<String> = env::args().collect();
+    let serve_only = args.get(1).map(String::as_str) == Some("--serve");
+    let dir = tempfile::tempdir()?;
+    let socket = match args.get(2) {
+        Some(p) if serve_only => PathBuf::from(p),
+        _ => dir.path().join("hello.sock"),
+    };
+
+    let device = PciAdapter::new(Hello::default())?;
+    let server = Server::new(
+        ServerConfig::new(&socket),
+        Box::new(device),
+        DmaSpace::new(DmaConfig::default()),
+    )
+    .spawn()?;
+    if serve_only {
+        println!("serving hello on {} (Ctrl-C to stop)", socket.display());
+        return Ok(server.join()?);
+    }
+
+    // Play VMM and guest driver: 1 MiB of guest RAM at 1 GiB, counter at its start.
+    let mut vmm = Vmm::connect(&socket, 1 << 30, 1 << 20)?;
+    vmm.enable_device()?;
+    let msi = vmm.enable_msi()?;
+    println!("ID register: {:#x}", vmm.read32(0, REG_ID)?);
+    vmm.write32(0, REG_ADDR, 1 << 30)?;
+    vmm.write32(0, REG_ADDR + 4, 0)?;
+    for add in [1u32, 2, 39] {
+        vmm.write32(0, REG_DOORBELL, add)?;
+        let fired = wait_eventfd(&msi, Duration::from_secs(2)).is_some();
+        let mut counter = [0u8; 8];
+        vmm.ram.read(1 << 30, &mut counter)?;
+        println!(
+            "doorbell +{add}: counter = {}, MSI fired: {fired}",
+            u64::from_le_bytes(counter)
+        );
+    }
+    drop(vmm);
+    server.shutdown()?;
+    Ok(())
+}

@@ -1,0 +1,269 @@
+//! `umdev bench dma`: the cost of `DmaHandle::read`/`write` (dma_rw) against the physical
+//! limit, and of a lookup per call against the held handle.
+//!
+//! Three comparisons per size (8 B … 16 MiB), each sampled interleaved:
+//! - **read / write: dma_rw vs memcpy** — `DmaHandle::read`/`write` at an IOVA against a
+//!   plain `copy_nonoverlapping` between a local buffer and a second local mapping of the
+//!   *same* memfd pages: same memory, no translation, no checks, so the physical limit.
+//! - **read: lookup per call vs held handle** — the held path calls `read` on the
+//!   `DmaHandle` the device keeps. The lookup path models a device that does not keep it:
+//!   per call it locks a process-wide registry (`Mutex<HashMap<device id, Arc<DmaSpace>>>`
+//!   with 16 devices), clones the space out, builds a handle with `space.handle()`, reads,
+//!   and drops both — the user-space analog of the per-call group lookup and reference that
+//!   seeds/03 removed from the kernel's vfio_dma_rw path.
+//! - **read / write: fd-less vs fd-backed** — the same `DmaHandle::read`/`write` on a region
+//!   the client mapped without an fd, so every access becomes server→client DMA_READ or
+//!   DMA_WRITE messages (split at the negotiated 1 MiB max_data_xfer_size) through a real
+//!   umdev server socket, answered by a client thread from its own memory; against the
+//!   fd-backed region.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use umdev::dma::{DmaConfig, DmaError, DmaHandle, DmaMapping, DmaSpace, Prot};
+
+use super::local_mapping::{memfd, LocalMapping};
+use super::machine;
+use super::progress::{Progress, ProgressMode};
+use super::raw_client::RawClient;
+use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
+use super::sampler::{interleaved, SamplePlan};
+use super::trivial_device::UmdevTrivial;
+use super::OutputArgs;
+use crate::CliResult;
+use umdev::server::{Server, ServerConfig};
+
+/// IOVA of the bench region.
+pub const REGION_IOVA: u64 = 1 << 30;
+/// IOVA of the fd-less region.
+pub const FDLESS_IOVA: u64 = 1 << 34;
+/// Largest accepted operation size (the region is twice this).
+pub const MAX_SIZE: u64 = 64 << 20;
+/// Devices in the lookup-per-call registry.
+pub const REGISTRY_DEVICES: u64 = 16;
+
+/// Arguments of `umdev bench dma`.
+#[derive(clap::Args, Debug)]
+pub struct DmaArgs {
+    /// Operation sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![8u64, 64, 512, 4096, 32768, 262144, 2097152, 16777216])]
+    pub sizes: Vec<u64>,
+    /// Fast run: fewer and shorter samples.
+    #[arg(long)]
+    pub quick: bool,
+    /// Samples kept per side [default: 31, quick 15].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Output options.
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
+    let (n, target_ms, warm_ms) = if quick {
+        (15, 0.5, 2.0)
+    } else {
+        (31, 2.0, 10.0)
+    };
+    SamplePlan {
+        warmup: std::time::Duration::from_secs_f64(warm_ms / 1e3),
+        samples: samples.unwrap_or(n).clamp(1, 10_000),
+        sample_target: std::time::Duration::from_secs_f64(target_ms / 1e3),
+        max_iters: 10_000_000,
+        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
+        min_samples: 5,
+    }
+}
+
+/// Copy `len` bytes from `src` to `dst` (raw, for memory shared with another mapping).
+fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: callers pass pointers to `len` valid bytes of distinct allocations/mappings
+    // (a local Vec and a local mapping of the bench memfd), so the ranges do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// Entry point of `umdev bench dma`.
+pub fn run(args: DmaArgs) -> CliResult {
+    let started = Instant::now();
+    let plan = plan_of(args.quick, args.samples);
+    if let Some(&bad) = args.sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
+        return Err(format!("size {bad} out of range 1..={MAX_SIZE}").into());
+    }
+    let max = args.sizes.iter().copied().max().unwrap_or(8);
+    let region = max.next_multiple_of(2 << 20);
+    let fd = memfd("umdev-bench-dma", 0, region)?;
+    let region_len = usize::try_from(region)?;
+    let local = LocalMapping::new(&fd, region_len)?;
+    local.touch(4096);
+    let space = DmaSpace::new(DmaConfig::default());
+    space.map(DmaMapping {
+        iova: REGION_IOVA,
+        size: region,
+        prot: Prot::RW,
+        fd: Some(fd),
+        offset: 0,
+    })?;
+    let handle = space.handle();
+    let mut registry: HashMap<u64, Arc<DmaSpace>> = (0..REGISTRY_DEVICES)
+        .map(|id| (id, DmaSpace::new(DmaConfig::default())))
+        .collect();
+    let our_id = REGISTRY_DEVICES / 2;
+    registry.insert(our_id, space.clone());
+    let registry = Mutex::new(registry);
+
+    // The fd-less region: a umdev server on the same space, a client that maps a region
+    // without an fd and answers the server's DMA_READ/DMA_WRITE from its own memory.
+    let sock_dir = std::env::temp_dir().join(format!("umdev-bench-dma-{}", std::process::id()));
+    std::fs::create_dir_all(&sock_dir)?;
+    let running = Server::new(
+        ServerConfig::new(sock_dir.join("dma.sock")),
+        Box::new(UmdevTrivial::default()),
+        space.clone(),
+    )
+    .spawn()?;
+    let mut client = RawClient::connect(running.path())?;
+    client.dma_map_fdless(FDLESS_IOVA, region)?;
+    let dma_server = client.serve_dma(FDLESS_IOVA, region_len)?;
+
+    let mut progress = Progress::new(ProgressMode::detect(args.out.quiet), args.sizes.len() * 5);
+    if machine::is_debug_build() {
+        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
+    }
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        let len = usize::try_from(size)?;
+        let mut buf = vec![0u8; len];
+        let mut buf2 = vec![0u8; len];
+        let src = vec![0xa5u8; len];
+
+        progress.start_step(&format!("read {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.read(REGION_IOVA, &mut buf),
+            &mut || -> Result<(), DmaError> {
+                raw_copy(local.as_ptr(), buf2.as_mut_ptr(), len);
+                Ok(())
+            },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "read: dma_rw vs memcpy",
+            size,
+            SideResult::new("DmaHandle::read", &a),
+            SideResult::new("memcpy", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("write {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.write(REGION_IOVA, &src),
+            &mut || -> Result<(), DmaError> {
+                raw_copy(src.as_ptr(), local.as_ptr(), len);
+                Ok(())
+            },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "write: dma_rw vs memcpy",
+            size,
+            SideResult::new("DmaHandle::write", &a),
+            SideResult::new("memcpy", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("lookup {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || -> Result<(), DmaError> {
+                let space = {
+                    let reg = registry.lock().unwrap_or_else(|p| p.into_inner());
+                    reg.get(&our_id)
+                        .cloned()
+                        .ok_or(DmaError::NotMapped { iova: REGION_IOVA })?
+                };
+                let h: DmaHandle = space.handle();
+                h.read(REGION_IOVA, &mut buf)
+            },
+            &mut || handle.read(REGION_IOVA, &mut buf2),
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "read: lookup per call vs held handle",
+            size,
+            SideResult::new("lookup+read", &a),
+            SideResult::new("held read", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("fd-less read {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.read(FDLESS_IOVA, &mut buf),
+            &mut || handle.read(REGION_IOVA, &mut buf2),
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "read: fd-less (DMA_READ messages) vs fd-backed",
+            size,
+            SideResult::new("fd-less read", &a),
+            SideResult::new("fd-backed read", &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step(&format!("fd-less write {size} B"));
+        let (a, b) = interleaved(
+            &plan,
+            &mut || handle.write(FDLESS_IOVA, &src),
+            &mut || handle.write(REGION_IOVA, &src),
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "write: fd-less (DMA_WRITE messages) vs fd-backed",
+            size,
+            SideResult::new("fd-less write", &a),
+            SideResult::new("fd-backed write", &b),
+        ));
+        progress.finish_step();
+    }
+    progress.finish();
+    space.unmap(REGION_IOVA, region, &mut |_, _| {})?;
+    let served = dma_server.stop()?;
+    running.shutdown()?;
+    let _ = std::fs::remove_dir_all(&sock_dir);
+    drop(local);
+    tracing::debug!(served, "fd-less DMA requests served");
+
+    let report = PairReport {
+        schema: PAIR_SCHEMA,
+        bench: "dma",
+        command: std::env::args().collect(),
+        plan,
+        machine: machine::collect(),
+        rows,
+        unavailable: Vec::new(),
+        notes: vec![
+            "memcpy: copy_nonoverlapping between a local buffer and a second mapping of the \
+             same memfd pages (the physical limit)"
+                .into(),
+            "lookup+read: per call, lock a registry Mutex<HashMap<id, Arc<DmaSpace>>> of 16 \
+             devices, clone the space, space.handle(), read, drop"
+                .into(),
+            "fd-less: DmaHandle::read/write on a region mapped without fd through a real \
+             umdev server socket; the client answers DMA_READ/DMA_WRITE from its memory"
+                .into(),
+        ],
+        elapsed_s: started.elapsed().as_secs_f64(),
+    };
+    if !args.out.quiet {
+        println!("umdev bench dma — {}", report.machine.summary());
+    }
+    print!("{}", pair_table(&report, true));
+    if let Some(path) = &args.out.json {
+        write_json(path, &report)?;
+        println!("JSON: {}", path.display());
+    }
+    println!("{:.1} s", report.elapsed_s);
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! `umdev bench wire`: vfio-user message round trips through a real UNIX socket, umdev's
+//! server side by side with the `vfio_user` crate's own `Server`, both serving the same
+//! [`trivial_device`](super::trivial_device) in this process, both driven by the
+//! `vfio_user::Client` (and, for posted writes, which that client cannot send, by the
+//! hand-written [`RawClient`]). The two sides are sampled interleaved.
+//!
+//! Rows: REGION_READ 4 B, REGION_WRITE 4 B, posted REGION_WRITE 4 B (no-reply flag, in
+//! batches of 64 fenced by one REGION_READ; ns per write), DMA_MAP+DMA_UNMAP of a sparse
+//! memfd of 4 KiB … 16 GiB (both servers mmap and munmap the region).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::local_mapping::memfd;
+use super::machine;
+use super::progress::{Progress, ProgressMode};
+use super::raw_client::RawClient;
+use super::report::{
+    fmt_bytes, pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA,
+};
+use super::sampler::{interleaved, SamplePlan};
+use super::trivial_device::{vfio_user_regions, UmdevTrivial, VfioUserTrivial};
+use super::OutputArgs;
+use crate::CliResult;
+use umdev::dma::{DmaConfig, DmaSpace};
+use umdev::server::{RunningServer, Server, ServerConfig};
+
+/// IOVA of the DMA_MAP rows.
+pub const MAP_IOVA: u64 = 1 << 40;
+/// Posted writes per fenced batch.
+pub const POSTED_BATCH: usize = 64;
+
+/// Arguments of `umdev bench wire`.
+#[derive(clap::Args, Debug)]
+pub struct WireArgs {
+    /// DMA_MAP sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 1 << 20, 256 << 20, 16 << 30])]
+    pub map_sizes: Vec<u64>,
+    /// Fast run: fewer and shorter samples.
+    #[arg(long)]
+    pub quick: bool,
+    /// Samples kept per side [default: 31, quick 15].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Output options.
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// The umdev side: a umdev server serving the trivial device on a socket.
+struct UmdevSide(RunningServer);
+
+/// Start umdev's server on `path` (DMA layer with its default Translate policy).
+fn spawn_umdev(path: &Path) -> Result<UmdevSide, BoxError> {
+    let space = DmaSpace::new(DmaConfig::default());
+    let running = Server::new(
+        ServerConfig::new(path),
+        Box::new(UmdevTrivial::default()),
+        space,
+    )
+    .spawn()?;
+    Ok(UmdevSide(running))
+}
+
+impl UmdevSide {
+    fn stop(self) {
+        if let Err(e) = self.0.shutdown() {
+            tracing::warn!(error = %e, "umdev server shutdown");
+        }
+    }
+}
+
+/// The `vfio_user::Server` side, serving `connections` connections one after the other.
+fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>, BoxError> {
+    let server = vfio_user::Server::new(path, true, Vec::new(), vfio_user_regions())
+        .map_err(|e| format!("vfio_user::Server::new: {e}"))?;
+    Ok(std::thread::spawn(move || {
+        let mut dev = VfioUserTrivial::default();
+        for _ in 0..connections {
+            if let Err(e) = server.run(&mut dev) {
+                tracing::warn!(error = %e, "vfio_user::Server connection ended with an error");
+            }
+        }
+    }))
+}
+
+fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
+    let (n, target_ms, warm_ms) = if quick {
+        (15, 0.5, 5.0)
+    } else {
+        (31, 2.0, 20.0)
+    };
+    SamplePlan {
+        warmup: Duration::from_secs_f64(warm_ms / 1e3),
+        samples: samples.unwrap_or(n).clamp(1, 10_000),
+        sample_target: Duration::from_secs_f64(target_ms / 1e3),
+        max_iters: 1_000_000,
+        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
+        min_samples: 5,
+    }
+}
+
+fn client(path: &Path) -> Result<vfio_user::Client, BoxError> {
+    vfio_user::Client::new(path).map_err(|e| format!("vfio_user::Client::new: {e}").into())
+}
+
+type Io = Result<(), std::io::Error>;
+
+fn vfio_err(e: vfio_user::Error) -> std::io::Error {
+    std::io::Error::other(e.to_string())
+}
+
+/// Entry point of `umdev bench wire`.
+pub fn run(args: WireArgs) -> CliResult {
+    let started = Instant::now();
+    let plan = plan_of(args.quick, args.samples);
+    let dir = tempfile_dir()?;
+    let umdev_path = dir.join("umdev.sock");
+    let vfio_path = dir.join("vfio-user.sock");
+    let umdev_side = spawn_umdev(&umdev_path)?;
+    let vfio_thread = spawn_vfio_user(&vfio_path, 2)?;
+    let mut progress = Progress::new(
+        ProgressMode::detect(args.out.quiet),
+        3 + args.map_sizes.len(),
+    );
+    if machine::is_debug_build() {
+        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
+    }
+    let names = ("umdev server", "vfio_user::Server");
+    let mut rows = Vec::new();
+    {
+        let mut cu = client(&umdev_path)?;
+        let mut cv = client(&vfio_path)?;
+        let mut b1 = [0u8; 4];
+        let mut b2 = [0u8; 4];
+
+        progress.start_step("REGION_READ 4 B");
+        let (a, b) = interleaved(
+            &plan,
+            &mut || -> Io { cu.region_read(0, 0, &mut b1).map_err(vfio_err) },
+            &mut || -> Io { cv.region_read(0, 0, &mut b2).map_err(vfio_err) },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "REGION_READ round trip",
+            4,
+            SideResult::new(names.0, &a),
+            SideResult::new(names.1, &b),
+        ));
+        progress.finish_step();
+
+        progress.start_step("REGION_WRITE 4 B");
+        let (a, b) = interleaved(
+            &plan,
+            &mut || -> Io { cu.region_write(0, 0, &[1, 2, 3, 4]).map_err(vfio_err) },
+            &mut || -> Io { cv.region_write(0, 0, &[1, 2, 3, 4]).map_err(vfio_err) },
+            &mut || 0,
+        )?;
+        rows.push(PairRow::new(
+            "REGION_WRITE round trip",
+            4,
+            SideResult::new(names.0, &a),
+            SideResult::new(names.1, &b),
+        ));
+        progress.finish_step();
+
+        for &size in &args.map_sizes {
+            progress.start_step(&format!("DMA_MAP+UNMAP {}", fmt_bytes(size)));
+            let fu: OwnedFd = memfd("umdev-bench-wire", 0, size)?;
+            let fv: OwnedFd = memfd("umdev-bench-wire", 0, size)?;
+            let (a, b) = interleaved(
+                &plan,
+                &mut || -> Io {
+                    cu.dma_map(0, MAP_IOVA, size, fu.as_raw_fd())
+                        .map_err(vfio_err)?;
+                    cu.dma_unmap(MAP_IOVA, size).map_err(vfio_err)
+                },
+                &mut || -> Io {
+                    cv.dma_map(0, MAP_IOVA, size, fv.as_raw_fd())
+                        .map_err(vfio_err)?;
+                    cv.dma_unmap(MAP_IOVA, size).map_err(vfio_err)
+                },
+                &mut || 0,
+            )?;
+            rows.push(PairRow::new(
+                "DMA_MAP + DMA_UNMAP round trips",
+                size,
+                SideResult::new(names.0, &a),
+                SideResult::new(names.1, &b),
+            ));
+            progress.finish_step();
+        }
+        let _ = cu.shutdown();
+        let _ = cv.shutdown();
+    }
+    {
+        let mut ru = RawClient::connect(&umdev_path)?;
+        let mut rv = RawClient::connect(&vfio_path)?;
+        progress.start_step("posted REGION_WRITE 4 B");
+        let (mut a, mut b) = interleaved(
+            &plan,
+            &mut || posted_batch(&mut ru),
+            &mut || posted_batch(&mut rv),
+            &mut || 0,
+        )?;
+        for s in [&mut a, &mut b] {
+            for v in &mut s.ns_per_iter {
+                *v /= POSTED_BATCH as f64;
+            }
+            s.iters_per_sample *= POSTED_BATCH as u64;
+        }
+        rows.push(PairRow::new(
+            "posted REGION_WRITE (no reply; batches of 64 + 1 fencing read)",
+            4,
+            SideResult::new(names.0, &a),
+            SideResult::new(names.1, &b),
+        ));
+        progress.finish_step();
+    }
+    progress.finish();
+    umdev_side.stop();
+    let _ = vfio_thread.join();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let report = PairReport {
+        schema: PAIR_SCHEMA,
+        bench: "wire",
+        command: std::env::args().collect(),
+        plan,
+        machine: machine::collect(),
+        rows,
+        unavailable: Vec::new(),
+        notes: vec![
+            "both servers serve the same trivial device (4 KiB BAR0 registers) in this \
+             process; clients are vfio_user::Client, posted writes use a hand-written client"
+                .into(),
+            "ratio = umdev / vfio_user::Server time (< 1: umdev is faster)".into(),
+        ],
+        elapsed_s: started.elapsed().as_secs_f64(),
+    };
+    if !args.out.quiet {
+        println!("umdev bench wire — {}", report.machine.summary());
+    }
+    print!("{}", pair_table(&report, false));
+    if let Some(path) = &args.out.json {
+        write_json(path, &report)?;
+        println!("JSON: {}", path.display());
+    }
+    println!("{:.1} s", report.elapsed_s);
+    Ok(())
+}
+
+/// [`POSTED_BATCH`] posted writes, then one REGION_READ that waits for all of them.
+fn posted_batch(c: &mut RawClient) -> Io {
+    for i in 0..POSTED_BATCH {
+        c.posted_write(0, (i as u64 % 64) * 4, &[1, 2, 3, 4])?;
+    }
+    let mut fence = [0u8; 4];
+    c.region_read(0, 0, &mut fence)
+}
+
+/// A fresh private directory for the sockets.
+fn tempfile_dir() -> Result<PathBuf, BoxError> {
+    let base = std::env::temp_dir();
+    for i in 0..100u32 {
+        let p = base.join(format!("umdev-bench-wire-{}-{i}", std::process::id()));
+        match std::fs::create_dir(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err("cannot create a socket directory".into())
+}

@@ -1,0 +1,252 @@
+//! `umdev bench` end to end: the binary runs, and its JSON is well-formed and complete
+//! (every size × pattern × policy present with samples). The numbers are not checked.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const PATTERNS: [&str; 5] = ["contiguous", "scattered", "ccw-like", "gvt-like", "random"];
+const POLICIES: [&str; 3] = ["translate", "lock", "populate"];
+
+fn umdev(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run umdev")
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).expect("JSON file written");
+    serde_json::from_str(&text).expect("well-formed JSON")
+}
+
+fn assert_variant_complete(v: &Value, samples: usize, what: &str) {
+    let s = v["samples_ns_per_page"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{what}: no samples"));
+    assert_eq!(s.len(), samples, "{what}: sample count");
+    assert!(
+        s.iter()
+            .all(|x| x.as_f64().is_some_and(|x| x.is_finite() && x > 0.0)),
+        "{what}: samples must be positive numbers"
+    );
+    for key in ["median", "p10", "p90", "min", "max"] {
+        assert!(v["ns_per_page"][key].as_f64().is_some(), "{what}: {key}");
+    }
+    assert!(
+        v["syscalls_per_array"].as_f64().is_some(),
+        "{what}: syscalls"
+    );
+    assert!(v["iters_per_sample"].as_u64().is_some_and(|n| n >= 1));
+}
+
+#[test]
+fn test_bench_pin_quick_json_has_every_size_pattern_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("pin.json");
+    let svg = dir.path().join("pin.svg");
+    // --quick with smaller sizes keeps the test short; `--quick` alone is the < 60 s run.
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--sizes",
+        "1,8,64",
+        "--backings",
+        "4k",
+        "--samples",
+        "3",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "umdev bench pin failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("coalesced") && stdout.contains("per-page"),
+        "{stdout}"
+    );
+
+    let v = read_json(&json);
+    assert_eq!(v["schema"], "umdev-bench-pin/1");
+    assert!(v["machine"]["nproc"].as_u64().is_some_and(|n| n >= 1));
+    assert!(v["machine"]["cpu_model"].is_string());
+    let samples = v["config"]["plan"]["samples"].as_u64().unwrap() as usize;
+    assert_eq!(samples, 3);
+    let cells = v["cells"].as_array().expect("cells");
+    assert_eq!(cells.len(), 3 * PATTERNS.len() * POLICIES.len());
+    for policy in POLICIES {
+        for pattern in PATTERNS {
+            for size in [1u64, 8, 64] {
+                let what = format!("{policy} {pattern} {size}");
+                let cell = cells
+                    .iter()
+                    .find(|c| {
+                        c["backing"] == "4k"
+                            && c["policy"] == policy
+                            && c["pattern"] == pattern
+                            && c["size"].as_u64() == Some(size)
+                    })
+                    .unwrap_or_else(|| panic!("missing cell {what}"));
+                assert!(cell["error"].is_null(), "{what}: {}", cell["error"]);
+                assert_variant_complete(&cell["coalesced"], samples, &what);
+                assert_variant_complete(&cell["per_page"], samples, &what);
+                assert!(cell["ratio"].as_f64().is_some_and(|r| r > 0.0), "{what}");
+                assert!(cell["runs_per_array"].as_f64().is_some_and(|r| r >= 1.0));
+            }
+        }
+    }
+    let plot = std::fs::read_to_string(&svg).expect("SVG written");
+    assert!(plot.starts_with("<svg") && plot.trim_end().ends_with("</svg>"));
+    assert!(plot.contains("<polyline"), "plot has lines");
+}
+
+#[test]
+fn test_bench_pin_trace_replay_reports_trace_cells() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("dev.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"prot\":\"rw\",\"pfns\":[100,101,102,103,200,201]}\n\
+         {\"prot\":\"r\",\"pfns\":[7]}\n\
+         {\"prot\":\"w\",\"pfns\":[5000,5002,5004,5001]}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("t.json");
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--quiet",
+        "--traces-only",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--sizes",
+        "1,8",
+        "--backings",
+        "4k",
+        "--policies",
+        "translate,lock",
+        "--samples",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    let cells = v["cells"].as_array().unwrap();
+    // Two buckets (size 1: one array; size 8: two arrays) × two policies.
+    assert_eq!(cells.len(), 4);
+    assert!(cells.iter().all(|c| c["pattern"] == "trace:dev"));
+    let b8 = cells
+        .iter()
+        .find(|c| c["size"] == 8 && c["policy"] == "lock")
+        .unwrap();
+    assert_eq!(b8["arrays"], 2);
+    // Runs: {100..=103}{200,201} = 2 and 5000|5002|5004|5001 = 4.
+    assert_eq!(b8["runs_per_array"].as_f64(), Some(3.0));
+    assert_variant_complete(&b8["coalesced"], 2, "trace");
+    assert_eq!(v["config"]["traces"][0]["arrays"], 3);
+}
+
+#[test]
+fn test_bench_pin_size_zero_fails_with_message() {
+    let out = umdev(&["bench", "pin", "--quick", "--sizes", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("out of range"));
+}
+
+#[test]
+fn test_bench_pin_bad_trace_fails_with_line_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("bad.jsonl");
+    std::fs::write(&trace, "{\"prot\":\"rw\",\"pfns\":[1]}\n{oops\n").unwrap();
+    let out = umdev(&["bench", "pin", "--trace", trace.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("line 2"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn assert_pair_rows(v: &Value, groups: usize, per_group: usize) {
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), groups * per_group, "{v}");
+    for r in rows {
+        for side in ["a", "b"] {
+            let s = r[side]["samples_ns"].as_array().expect("samples");
+            assert!(!s.is_empty(), "{r}");
+            assert!(s
+                .iter()
+                .all(|x| x.as_f64().is_some_and(|x| x.is_finite() && x > 0.0)));
+        }
+        assert!(r["ratio_a_over_b"].as_f64().is_some_and(|x| x > 0.0));
+    }
+    assert!(v["unavailable"].as_array().is_some_and(|u| u.is_empty()));
+}
+
+#[test]
+fn test_bench_dma_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("dma.json");
+    let out = umdev(&[
+        "bench",
+        "dma",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--sizes",
+        "8,4096",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "dma");
+    // 5 comparisons (read, write, lookup, fd-less read, fd-less write) × 2 sizes.
+    assert_pair_rows(&v, 5, 2);
+}
+
+#[test]
+fn test_bench_wire_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("wire.json");
+    let out = umdev(&[
+        "bench",
+        "wire",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--map-sizes",
+        "4096,1073741824",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "wire");
+    // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
+    assert_pair_rows(&v, 1, 5);
+}

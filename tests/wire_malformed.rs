@@ -1,0 +1,509 @@
+//! For every command, malformed variants (short, oversized, wrong argsz, bad flags,
+//! missing or extra fds) get an error reply with a real errno and the connection stays
+//! usable.
+
+mod common;
+
+use std::os::fd::{AsRawFd, RawFd};
+
+use common::raw_client::RawClient;
+use common::TestServer;
+use umdev::protocol::dma_map::DmaMapRequest;
+use umdev::protocol::feature::encode_feature;
+use umdev::protocol::region_access::{encode_write_multi, RegionAccess, WriteOne};
+use umdev::protocol::set_irqs::encode_set_irqs;
+use umdev::protocol::wire::Put;
+use umdev::protocol::{Command, Header};
+use vfio_bindings::bindings::vfio::*;
+use vmm_sys_util::eventfd::EventFd;
+
+fn usable(c: &mut RawClient) {
+    assert_eq!(
+        c.region_read(7, 0, 4),
+        vec![0, 1, 2, 3],
+        "connection still usable"
+    );
+}
+
+fn u32s(v: &[u32]) -> Vec<u8> {
+    let mut p = Vec::new();
+    for &x in v {
+        p.put_u32(x);
+    }
+    p
+}
+
+fn efd() -> EventFd {
+    EventFd::new(libc::EFD_NONBLOCK).unwrap()
+}
+
+const EINVAL: u32 = libc::EINVAL as u32;
+
+#[test]
+fn test_malformed_version_variants_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::connect(&ts.path);
+    // A command before VERSION.
+    assert_eq!(
+        c.expect_error(Command::DeviceReset as u16, &[], &[]),
+        EINVAL
+    );
+    // Short, bad JSON, missing NUL, major 1, fds attached.
+    assert_eq!(
+        c.expect_error(Command::Version as u16, &[0, 0], &[]),
+        EINVAL
+    );
+    let mut bad = vec![0, 0, 0, 0];
+    bad.extend_from_slice(b"{oops\0");
+    assert_eq!(c.expect_error(Command::Version as u16, &bad, &[]), EINVAL);
+    assert_eq!(
+        c.expect_error(Command::Version as u16, b"\0\0\0\0{}", &[]),
+        EINVAL
+    );
+    let major1 = [1u8, 0, 0, 0];
+    assert_eq!(
+        c.expect_error(Command::Version as u16, &major1, &[]),
+        libc::ENOTSUP as u32
+    );
+    let e = efd();
+    assert_eq!(
+        c.expect_error(Command::Version as u16, &[0, 0, 0, 0], &[e.as_raw_fd()]),
+        EINVAL
+    );
+    // Now a good one, then a second one.
+    let r = c.call(
+        Command::Version as u16,
+        0,
+        b"\0\0\0\0{\"capabilities\":{}}\0",
+        &[],
+    );
+    assert!(!r.header.is_error());
+    assert_eq!(
+        c.expect_error(Command::Version as u16, &[0, 0, 0, 0], &[]),
+        EINVAL
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_dma_map_variants_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mem = common::memfd(0x4000);
+    let fd: RawFd = mem.as_raw_fd();
+    let good = DmaMapRequest {
+        flags: 3,
+        offset: 0,
+        iova: 0x10_0000,
+        size: 0x4000,
+    };
+    let cmd = Command::DmaMap as u16;
+    assert_eq!(
+        c.expect_error(cmd, &good.encode()[..24], &[fd]),
+        EINVAL,
+        "short"
+    );
+    let mut long = good.encode();
+    long.extend_from_slice(&[0; 8]);
+    assert_eq!(c.expect_error(cmd, &long, &[fd]), EINVAL, "oversized");
+    let mut argsz = good.encode();
+    argsz[0] = 24;
+    assert_eq!(c.expect_error(cmd, &argsz, &[fd]), EINVAL, "argsz");
+    let flags = DmaMapRequest {
+        flags: 0x10,
+        ..good
+    };
+    assert_eq!(c.expect_error(cmd, &flags.encode(), &[fd]), EINVAL, "flags");
+    let unaligned = DmaMapRequest {
+        iova: 0x10_0800,
+        ..good
+    };
+    assert_eq!(
+        c.expect_error(cmd, &unaligned.encode(), &[fd]),
+        EINVAL,
+        "alignment"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &good.encode(), &[fd, fd]),
+        EINVAL,
+        "two fds"
+    );
+    let r = c.call(cmd, 0, &good.encode(), &[fd]);
+    assert!(!r.header.is_error());
+    let overlap = DmaMapRequest {
+        iova: 0x10_2000,
+        ..good
+    };
+    assert_eq!(
+        c.expect_error(cmd, &overlap.encode(), &[fd]),
+        libc::EEXIST as u32,
+        "overlap"
+    );
+    assert_eq!(ts.dma.stats().maps, 1);
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_dma_unmap_variants_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let cmd = Command::DmaUnmap as u16;
+    let unmap = |flags: u32, iova: u64, size: u64| {
+        let mut p = u32s(&[24, flags]);
+        p.put_u64(iova);
+        p.put_u64(size);
+        p
+    };
+    assert_eq!(
+        c.expect_error(cmd, &unmap(0, 0, 0x1000)[..20], &[]),
+        EINVAL,
+        "short"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &unmap(4, 0, 0x1000), &[]),
+        libc::ENOTSUP as u32,
+        "vfio_user crate UNMAP_ALL"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &unmap(0x100, 0, 0x1000), &[]),
+        EINVAL,
+        "flags"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &unmap(0, 0x5000, 0x1000), &[]),
+        libc::ENOENT as u32,
+        "no such mapping"
+    );
+    let e = efd();
+    assert_eq!(
+        c.expect_error(cmd, &unmap(0, 0, 0x1000), &[e.as_raw_fd()]),
+        EINVAL,
+        "fd"
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_device_info_and_irq_info_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let info = Command::DeviceGetInfo as u16;
+    assert_eq!(
+        c.expect_error(info, &u32s(&[8, 0, 0, 0]), &[]),
+        EINVAL,
+        "argsz"
+    );
+    assert_eq!(c.expect_error(info, &u32s(&[16, 0]), &[]), EINVAL, "short");
+    let r = c.call(info, 0, &u32s(&[16, 0, 0, 0]), &[]);
+    assert_eq!(r.payload.len(), 16, "reply fits 16 bytes");
+    let irq = Command::DeviceGetIrqInfo as u16;
+    assert_eq!(
+        c.expect_error(irq, &u32s(&[16, 0, 9, 0]), &[]),
+        EINVAL,
+        "index"
+    );
+    assert_eq!(
+        c.expect_error(irq, &u32s(&[8, 0, 0, 0]), &[]),
+        EINVAL,
+        "argsz"
+    );
+    assert_eq!(
+        c.expect_error(irq, &u32s(&[16, 0, 0, 0, 0]), &[]),
+        EINVAL,
+        "oversized"
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_region_info_and_argsz_negotiation() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let cmd = Command::DeviceGetRegionInfo as u16;
+    let req = |argsz: u32, index: u32| {
+        let mut p = u32s(&[argsz, 0, index, 0]);
+        p.put_u64(0);
+        p.put_u64(0);
+        p
+    };
+    assert_eq!(c.expect_error(cmd, &req(16, 0), &[]), EINVAL, "argsz");
+    assert_eq!(c.expect_error(cmd, &req(32, 99), &[]), EINVAL, "index");
+    assert_eq!(c.expect_error(cmd, &req(32, 0)[..16], &[]), EINVAL, "short");
+    // Caps do not fit in 32 bytes: the reply says how much is needed.
+    let r = c.call(cmd, 0, &req(32, 2), &[]);
+    assert_eq!(r.payload.len(), 32);
+    let needed = u32::from_ne_bytes(r.payload[0..4].try_into().unwrap());
+    assert_eq!(needed, 32 + 16 + 16);
+    assert_eq!(r.fds.len(), 1, "mmappable region comes with its fd");
+    let r = c.call(cmd, 0, &req(needed, 2), &[]);
+    assert_eq!(r.payload.len(), needed as usize);
+    let flags = u32::from_ne_bytes(r.payload[4..8].try_into().unwrap());
+    assert_ne!(flags & VFIO_REGION_INFO_FLAG_CAPS, 0);
+    assert_ne!(flags & VFIO_REGION_INFO_FLAG_MMAP, 0);
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_region_io_fds_rejected_valid_gets_zero_fds() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let cmd = Command::DeviceGetRegionIoFds as u16;
+    let r = c.call(cmd, 0, &u32s(&[16, 0, 0, 0]), &[]);
+    assert!(!r.header.is_error());
+    assert_eq!(r.payload, u32s(&[16, 0, 0, 0]));
+    assert!(r.fds.is_empty());
+    assert_eq!(
+        c.expect_error(cmd, &u32s(&[16, 1, 0, 0]), &[]),
+        EINVAL,
+        "flags"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &u32s(&[16, 0, 50, 0]), &[]),
+        EINVAL,
+        "index"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &u32s(&[4, 0, 0, 0]), &[]),
+        EINVAL,
+        "argsz"
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_set_irqs_variants_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let cmd = Command::DeviceSetIrqs as u16;
+    let (e0, e1) = (efd(), efd());
+    let (f0, f1) = (e0.as_raw_fd(), e1.as_raw_fd());
+    let ev = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+    let none = VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER;
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(none, 1, 0, 1, &[]), &[f0]),
+        EINVAL,
+        "extra fd"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(ev, 1, 0, 2, &[]), &[f0]),
+        EINVAL,
+        "missing fd"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(ev, 1, 1, 2, &[]), &[f0, f1]),
+        EINVAL,
+        "range"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(ev, 7, 0, 1, &[]), &[f0]),
+        EINVAL,
+        "index"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(ev | 1, 1, 0, 1, &[]), &[f0]),
+        EINVAL,
+        "flags"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_set_irqs(ev, 1, 0, 1, &[])[..12], &[]),
+        EINVAL,
+        "short"
+    );
+    assert_eq!(ts.state().set_irqs_calls, 0, "nothing reached the device");
+    // A valid one, then the disable (count 0, DATA_NONE, TRIGGER).
+    let r = c.call(cmd, 0, &encode_set_irqs(ev, 1, 0, 2, &[]), &[f0, f1]);
+    assert!(!r.header.is_error());
+    assert!(ts.state().trigger(1, 1));
+    let r = c.call(cmd, 0, &encode_set_irqs(none, 1, 0, 0, &[]), &[]);
+    assert!(!r.header.is_error());
+    assert!(!ts.state().trigger(1, 1), "disabled");
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_region_access_variants_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let read = Command::RegionRead as u16;
+    let a = |region, offset, count| RegionAccess {
+        offset,
+        region,
+        count,
+    };
+    assert_eq!(
+        c.expect_error(read, &a(0, 4094, 4).encode(), &[]),
+        EINVAL,
+        "beyond region"
+    );
+    assert_eq!(
+        c.expect_error(read, &a(5, 0, 4).encode(), &[]),
+        EINVAL,
+        "empty region"
+    );
+    assert_eq!(
+        c.expect_error(read, &a(42, 0, 4).encode(), &[]),
+        EINVAL,
+        "no such region"
+    );
+    assert_eq!(
+        c.expect_error(read, &a(0, 0, 2 << 20).encode(), &[]),
+        libc::E2BIG as u32,
+        "oversized count"
+    );
+    assert_eq!(
+        c.expect_error(read, &a(0, 0, 4).encode()[..12], &[]),
+        EINVAL,
+        "short"
+    );
+    let e = efd();
+    assert_eq!(
+        c.expect_error(read, &a(0, 0, 4).encode(), &[e.as_raw_fd()]),
+        EINVAL,
+        "fd"
+    );
+    let write = Command::RegionWrite as u16;
+    let mut p = a(0, 0, 4).encode();
+    p.extend_from_slice(&[1, 2, 3]);
+    assert_eq!(
+        c.expect_error(write, &p, &[]),
+        EINVAL,
+        "data shorter than count"
+    );
+    let mut p = a(0, u64::MAX - 1, 4).encode();
+    p.extend_from_slice(&[1, 2, 3, 4]);
+    assert_eq!(c.expect_error(write, &p, &[]), EINVAL, "offset wraps");
+    assert!(ts.state().writes.is_empty(), "nothing reached the device");
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_write_multi_variants_rejected() {
+    let ts = TestServer::start();
+    // Not negotiated: ENOTSUP.
+    let caps = "{\"capabilities\":{\"max_msg_fds\":16}}";
+    let (mut c, _) = RawClient::negotiated(&ts.path, caps);
+    let cmd = Command::RegionWriteMulti as u16;
+    let w = |region, offset, count| WriteOne {
+        access: RegionAccess {
+            offset,
+            region,
+            count,
+        },
+        data: [1; 8],
+    };
+    let good = encode_write_multi(&[w(0, 0, 4)]);
+    assert_eq!(c.expect_error(cmd, &good, &[]), libc::ENOTSUP as u32);
+    drop(c);
+    ts.wait_for("disconnect", |s| s.disconnects == 1);
+    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(
+        c.expect_error(cmd, &encode_write_multi(&[]), &[]),
+        EINVAL,
+        "wr_cnt 0"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_write_multi(&[w(0, 0, 9)]), &[]),
+        libc::E2BIG as u32,
+        "count 9"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &good[..good.len() - 1], &[]),
+        EINVAL,
+        "short"
+    );
+    assert_eq!(
+        c.expect_error(cmd, &encode_write_multi(&[w(0, 0, 4), w(0, 4095, 4)]), &[]),
+        EINVAL,
+        "second write out of bounds"
+    );
+    assert!(ts.state().writes.is_empty(), "all-or-nothing bounds check");
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_reset_feature_mig_and_direction_rejected() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(
+        c.expect_error(Command::DeviceReset as u16, &[0; 4], &[]),
+        EINVAL
+    );
+    let e = efd();
+    assert_eq!(
+        c.expect_error(Command::DeviceReset as u16, &[], &[e.as_raw_fd()]),
+        EINVAL
+    );
+    assert_eq!(ts.state().resets, 0);
+    let f = Command::DeviceFeature as u16;
+    let mig = encode_feature(
+        8,
+        VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION,
+        &[],
+    );
+    assert_eq!(
+        c.expect_error(f, &mig, &[]),
+        libc::ENOTSUP as u32,
+        "migration feature"
+    );
+    assert_eq!(
+        c.expect_error(f, &encode_feature(8, 6, &[]), &[]),
+        EINVAL,
+        "no operation bit"
+    );
+    assert_eq!(c.expect_error(f, &[8, 0], &[]), EINVAL, "short");
+    assert_eq!(
+        c.expect_error(Command::MigDataRead as u16, &u32s(&[8, 16]), &[]),
+        libc::ENOTSUP as u32
+    );
+    assert_eq!(
+        c.expect_error(Command::DmaRead as u16, &[0; 16], &[]),
+        EINVAL,
+        "wrong direction"
+    );
+    assert_eq!(
+        c.expect_error(99, &[], &[]),
+        libc::ENOSYS as u32,
+        "unknown command"
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_headers_oversized_drained_and_too_many_fds() {
+    let ts = TestServer::start_with(|c| c.max_data_xfer_size = 4096);
+    let mut c = RawClient::new_default(&ts.path);
+    // A message larger than the server accepts: drained, answered E2BIG.
+    let big = vec![0u8; 4096 + 64 * 1024 + 16];
+    let m = c.call(Command::RegionWrite as u16, 0, &big, &[]);
+    assert!(m.header.is_error());
+    assert_eq!(m.header.error, libc::E2BIG as u32);
+    // Unknown header flag bits.
+    let id = c.send(Command::DeviceReset as u16, 1 << 8, &[], &[]);
+    let m = c.recv();
+    assert_eq!((m.header.msg_id, m.header.error), (id, EINVAL));
+    // More fds than the control buffer holds.
+    let e = efd();
+    let fds = vec![e.as_raw_fd(); 40];
+    assert_eq!(
+        c.expect_error(Command::DeviceReset as u16, &[], &fds),
+        EINVAL
+    );
+    usable(&mut c);
+}
+
+#[test]
+fn test_malformed_header_size_below_16_closes_connection() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let h = Header {
+        msg_id: 7,
+        command: Command::DeviceReset as u16,
+        msg_size: 8,
+        flags: 0,
+        error: 0,
+    };
+    c.send_raw(&h.encode(), &[]);
+    let m = c.recv();
+    assert_eq!((m.header.msg_id, m.header.error), (7, EINVAL));
+    ts.wait_for("disconnect", |s| s.disconnects == 1);
+}

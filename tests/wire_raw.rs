@@ -1,0 +1,321 @@
+//! Raw-socket tests for what `vfio_user::Client` cannot send: version details, posted
+//! writes, WRITE_MULTI, fd-less DMA served by the client (DMA_READ/DMA_WRITE), twin
+//! socket, DMA logging.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use common::raw_client::{GuestMem, Msg, RawClient, DEFAULT_CAPS};
+use common::test_device::*;
+use common::TestServer;
+use umdev::protocol::dma_map::DmaMapRequest;
+use umdev::protocol::region_access::{encode_write_multi, RegionAccess, WriteOne};
+use umdev::protocol::version::Version;
+use umdev::protocol::{Command, FLAGS_NO_REPLY};
+
+const QEMU_CAPS: &str = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":1048576,\"pgsizes\":4096,\"max_dma_maps\":65535,\"migration\":{\"pgsize\":4096,\"max_bitmap_size\":268435456},\"write_multiple\":true}}";
+
+fn map_fdless(c: &mut RawClient, iova: u64, size: u64) {
+    let m = DmaMapRequest {
+        flags: 3,
+        offset: 0,
+        iova,
+        size,
+    };
+    let r = c.call(Command::DmaMap as u16, 0, &m.encode(), &[]);
+    assert!(!r.header.is_error(), "DMA_MAP errno {}", r.header.error);
+}
+
+fn write_reg(c: &mut RawClient, off: u64, data: &[u8], mem: &mut GuestMem) -> Msg {
+    let a = RegionAccess {
+        offset: off,
+        region: 0,
+        count: data.len() as u32,
+    };
+    let mut p = a.encode();
+    p.extend_from_slice(data);
+    c.call_serving(Command::RegionWrite as u16, 0, &p, mem)
+}
+
+#[test]
+fn test_raw_version_qemu_proposal_reply_fits_request_buffer() {
+    let ts = TestServer::start();
+    let (_c, reply) = RawClient::negotiated(&ts.path, QEMU_CAPS);
+    let request_size = 16 + 4 + QEMU_CAPS.len() + 1;
+    assert!(reply.header.msg_size as usize <= request_size);
+    let v = Version::decode(&reply.payload).unwrap();
+    assert_eq!(v.major, 0);
+    assert_eq!(v.minor, 0);
+    assert!(!v.caps.migration, "migration is not echoed");
+    assert!(v.caps.write_multiple);
+    assert_eq!(v.caps.pgsizes, 4096);
+    assert!(reply.fds.is_empty(), "no twin socket unless asked");
+}
+
+#[test]
+fn test_raw_posted_write_gets_no_reply_and_is_ordered_before_read() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    for i in 0..8u8 {
+        c.region_write(0, 0x80 + i as u64, &[i + 1], FLAGS_NO_REPLY);
+    }
+    // The next message from the server must be this read's reply (call asserts the id).
+    assert_eq!(c.region_read(0, 0x80, 8), vec![1, 2, 3, 4, 5, 6, 7, 8]);
+}
+
+#[test]
+fn test_raw_posted_write_error_sends_nothing() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    c.region_write(0, BAR0_SIZE - 2, &[1, 2, 3, 4], FLAGS_NO_REPLY);
+    assert_eq!(c.region_read(0, 0, 4), vec![0; 4]);
+}
+
+#[test]
+fn test_raw_write_multi_applies_every_write() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let w = |offset, count, v: u8| WriteOne {
+        access: RegionAccess {
+            offset,
+            region: 0,
+            count,
+        },
+        data: [v; 8],
+    };
+    let p = encode_write_multi(&[w(0x300, 4, 0x11), w(0x304, 2, 0x22), w(0x308, 8, 0x33)]);
+    let r = c.call(Command::RegionWriteMulti as u16, 0, &p, &[]);
+    assert!(!r.header.is_error());
+    assert_eq!(r.payload, 3u64.to_ne_bytes());
+    let got = c.region_read(0, 0x300, 16);
+    assert_eq!(&got[..4], &[0x11; 4]);
+    assert_eq!(&got[4..8], &[0x22, 0x22, 0, 0]);
+    assert_eq!(&got[8..], &[0x33; 8]);
+}
+
+#[test]
+fn test_raw_fdless_dma_device_read_on_connection_thread_served_by_client() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    write_reg(&mut c, REG_DMA_IOVA, &0x40_0010u64.to_le_bytes(), &mut mem);
+    write_reg(&mut c, REG_DMA_LEN, &32u32.to_le_bytes(), &mut mem);
+    let r = write_reg(&mut c, REG_DMA_OP, &1u32.to_le_bytes(), &mut mem);
+    assert!(!r.header.is_error());
+    assert_eq!(mem.reads, 1, "one DMA_READ served");
+    assert_eq!(c.region_read(0, REG_DMA_STATUS, 4), vec![0; 4]);
+    assert_eq!(
+        c.region_read(0, DMA_SCRATCH, 32),
+        mem.bytes[0x10..0x30].to_vec()
+    );
+}
+
+#[test]
+fn test_raw_fdless_dma_device_write_served_by_client() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    write_reg(&mut c, DMA_SCRATCH, b"written by the device", &mut mem);
+    write_reg(&mut c, REG_DMA_IOVA, &0x40_1000u64.to_le_bytes(), &mut mem);
+    write_reg(&mut c, REG_DMA_LEN, &21u32.to_le_bytes(), &mut mem);
+    write_reg(&mut c, REG_DMA_OP, &2u32.to_le_bytes(), &mut mem);
+    assert_eq!(mem.writes, 1);
+    assert_eq!(&mem.bytes[0x1000..0x1015], b"written by the device");
+}
+
+#[test]
+fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
+    let ts = TestServer::start();
+    let caps = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":4096}}";
+    let (mut c, _) = RawClient::negotiated(&ts.path, caps);
+    let mut mem = GuestMem::new(0x80_0000, 0x4000);
+    map_fdless(&mut c, 0x80_0000, 0x4000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 10_000];
+        handle.read(0x80_0100, &mut buf).map(|_| buf)
+    });
+    // Meanwhile the client keeps issuing its own commands.
+    let a = RegionAccess {
+        offset: 0,
+        region: 7,
+        count: 4,
+    };
+    let r = c.call_serving(Command::RegionRead as u16, 0, &a.encode(), &mut mem);
+    assert_eq!(&r.payload[16..], &[0, 1, 2, 3]);
+    while mem.reads < 3 {
+        let m = c.recv();
+        assert!(
+            RawClient::serve_on(&c.stream, &m, &mut mem),
+            "unexpected message"
+        );
+    }
+    let buf = worker.join().unwrap().expect("worker DMA");
+    assert_eq!(buf, mem.bytes[0x100..0x100 + 10_000].to_vec());
+    assert!(mem.largest <= 4096, "transfers split to max_data_xfer_size");
+}
+
+#[test]
+fn test_raw_fdless_dma_client_error_reaches_device() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    write_reg(&mut c, REG_DMA_IOVA, &0x40_0000u64.to_le_bytes(), &mut mem);
+    write_reg(&mut c, REG_DMA_LEN, &8u32.to_le_bytes(), &mut mem);
+    let a = RegionAccess {
+        offset: REG_DMA_OP,
+        region: 0,
+        count: 4,
+    };
+    let mut p = a.encode();
+    p.extend_from_slice(&1u32.to_le_bytes());
+    let id = c.send(Command::RegionWrite as u16, 0, &p, &[]);
+    let req = c.recv();
+    assert_eq!(req.header.command, Command::DmaRead as u16);
+    c.reply_error(&req.header, libc::EFAULT);
+    let r = c.recv();
+    assert_eq!(r.header.msg_id, id);
+    let status = c.region_read(0, REG_DMA_STATUS, 4);
+    assert_eq!(
+        u32::from_le_bytes(status.try_into().unwrap()),
+        libc::EFAULT as u32
+    );
+}
+
+#[test]
+fn test_raw_fdless_dma_unanswered_times_out() {
+    let ts = TestServer::start_with(|c| c.remote_dma_timeout = Duration::from_millis(200));
+    let mut c = RawClient::new_default(&ts.path);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let handle = ts.state().dma.clone().unwrap();
+    let t = std::time::Instant::now();
+    let mut buf = [0u8; 8];
+    let e = handle.read(0x40_0000, &mut buf).unwrap_err();
+    assert_eq!(e.errno(), libc::ETIMEDOUT);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // The late request is still in the socket; the connection keeps working.
+    let m = c.recv();
+    assert_eq!(m.header.command, Command::DmaRead as u16);
+    assert_eq!(c.region_read(0, 0, 4), vec![0; 4]);
+}
+
+#[test]
+fn test_raw_fdless_dma_pending_fails_on_disconnect() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        handle.read(0x40_0000, &mut buf)
+    });
+    let m = c.recv();
+    assert_eq!(m.header.command, Command::DmaRead as u16);
+    let t = std::time::Instant::now();
+    drop(c);
+    assert!(worker.join().unwrap().is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "failed fast, not by timeout"
+    );
+}
+
+#[test]
+fn test_raw_twin_socket_carries_server_requests() {
+    let ts = TestServer::start();
+    let caps = "{\"capabilities\":{\"max_msg_fds\":16,\"twin_socket\":{\"supported\":true}}}";
+    let (mut c, reply) = RawClient::negotiated(&ts.path, caps);
+    let v = Version::decode(&reply.payload).unwrap();
+    assert!(v.caps.twin_socket);
+    assert_eq!(v.caps.twin_socket_fd_index, Some(0));
+    assert_eq!(reply.fds.len(), 1);
+    let twin = std::os::unix::net::UnixStream::from(reply.fds.into_iter().next().unwrap());
+    twin.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        let mut buf = [0u8; 16];
+        handle.read(0x40_0020, &mut buf).map(|_| buf)
+    });
+    let m = RawClient::recv_on(&twin);
+    assert!(RawClient::serve_on(&twin, &m, &mut mem));
+    assert_eq!(
+        worker.join().unwrap().unwrap().to_vec(),
+        mem.bytes[0x20..0x30].to_vec()
+    );
+    // The main socket saw nothing but its own traffic.
+    assert_eq!(c.region_read(0, 0, 4), vec![0; 4]);
+}
+
+#[test]
+fn test_raw_dma_logging_reports_device_writes() {
+    use umdev::protocol::feature::encode_feature;
+    use umdev::protocol::wire::Put;
+    use vfio_bindings::bindings::vfio::*;
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mem = common::memfd(0x10000);
+    let m = DmaMapRequest {
+        flags: 3,
+        offset: 0,
+        iova: 0x100_0000,
+        size: 0x10000,
+    };
+    let r = c.call(Command::DmaMap as u16, 0, &m.encode(), &[mem.as_raw_fd()]);
+    assert!(!r.header.is_error());
+    let probe = encode_feature(
+        8,
+        VFIO_DEVICE_FEATURE_PROBE | VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+        &[],
+    );
+    let r = c.call(Command::DeviceFeature as u16, 0, &probe, &[]);
+    assert!(!r.header.is_error());
+    assert_eq!(r.payload, probe);
+    let mut d = Vec::new();
+    d.put_u64(4096);
+    d.put_u32(0);
+    d.put_u32(0);
+    let start = encode_feature(
+        8 + 16,
+        VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+        &d,
+    );
+    let r = c.call(Command::DeviceFeature as u16, 0, &start, &[]);
+    assert!(!r.header.is_error(), "start errno {}", r.header.error);
+    let handle = ts.state().dma.clone().unwrap();
+    handle.write(0x100_0000 + 3 * 4096 + 5, b"x").unwrap();
+    let mut d = Vec::new();
+    d.put_u64(0x100_0000);
+    d.put_u64(0x10000);
+    d.put_u64(4096);
+    let report = encode_feature(
+        8 + 24 + 8,
+        VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT,
+        &d,
+    );
+    let r = c.call(Command::DeviceFeature as u16, 0, &report, &[]);
+    assert!(!r.header.is_error(), "report errno {}", r.header.error);
+    assert_eq!(r.payload.len(), 8 + 24 + 8);
+    let bitmap = u64::from_ne_bytes(r.payload[32..40].try_into().unwrap());
+    assert_eq!(bitmap, 1 << 3);
+    let stop = encode_feature(
+        8,
+        VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP,
+        &[],
+    );
+    let r = c.call(Command::DeviceFeature as u16, 0, &stop, &[]);
+    assert!(!r.header.is_error());
+}
+
+#[test]
+fn test_raw_default_caps_write_multiple_negotiated() {
+    let ts = TestServer::start();
+    let (_c, reply) = RawClient::negotiated(&ts.path, DEFAULT_CAPS);
+    assert!(Version::decode(&reply.payload).unwrap().caps.write_multiple);
+}
