@@ -118,7 +118,9 @@ fn draw_scene(rig: &mut Rig) -> Model {
     m.copy(200, 100, 0, 180, 60, 60);
     m.blit_pattern(100, 50, 150, 20);
     m.blit_pattern(64, 64, 240, 150);
-    rig.run_fenced(&cmds, 1);
+    // A fence value not seen before, so the wait cannot return early.
+    let fence = rig.drv.read(REG_FENCE_VALUE).unwrap() + 1;
+    rig.run_fenced(&cmds, fence);
     m
 }
 
