@@ -381,3 +381,22 @@ fn test_gpu_e2e_disconnect_releases_every_pin() {
     });
     assert_eq!(dma.stats().leaked_pins_released, 0);
 }
+
+#[test]
+fn test_gpu_e2e_device_reset_releases_pins_and_clears_registers() {
+    let mut s = Setup::start(PinPolicy::Lock);
+    draw_scene(&mut s);
+    assert_eq!(s.gpu.pins_held(), 11);
+    s.client().reset().unwrap();
+    assert_eq!(s.gpu.pins_held(), 0);
+    let st = s.stats();
+    assert_eq!((st.pinned_pages, st.locked_pages), (0, 0));
+    assert_eq!(s.drv.read(REG_MODE_CTRL).unwrap(), 0);
+    assert_eq!(s.drv.read(REG_RING_CTRL).unwrap(), 0);
+    assert_eq!(s.drv.read(GTT_BASE + 40 * 8).unwrap(), 0);
+    // The guest driver re-initialises and the device serves again.
+    s.drv.set_mode(W, H, W * 4).unwrap();
+    s.drv.setup_ring(RAM_BASE, RING_SIZE).unwrap();
+    let model = draw_scene(&mut s);
+    assert_eq!(s.screen_via_mmap(), model);
+}
