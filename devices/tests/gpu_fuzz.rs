@@ -114,4 +114,34 @@ proptest! {
         prop_assert_eq!(rig.drv.read(REG_RING_HEAD).unwrap(), bytes.len() as u32);
         finish_and_check(&mut rig);
     }
+
+    #[test]
+    fn test_random_fill_copy_sequences_match_model(
+        ops in prop::collection::vec(
+            (any::<bool>(), 0u32..W, 0u32..H, 0u32..W, 0u32..H, 1u32..80, 1u32..60, any::<u32>()),
+            1..30,
+        ),
+    ) {
+        let mut rig = Rig::new(PinPolicy::Translate);
+        let mut m = Model::new(W, H);
+        let mut cmds = Vec::new();
+        for (is_fill, x, y, x2, y2, w, h, color) in ops {
+            // Clip into the mode so every command is valid.
+            let w = w.min(W - x).min(W - x2);
+            let h = h.min(H - y).min(H - y2);
+            if is_fill {
+                let color = color & 0x00ff_ffff;
+                cmds.push(Command::FillRect { x, y, w, h, color });
+                m.fill(x, y, w, h, color);
+            } else {
+                cmds.push(Command::CopyRect { src_x: x, src_y: y, dst_x: x2, dst_y: y2, w, h });
+                m.copy(x, y, x2, y2, w, h);
+            }
+        }
+        rig.run_fenced(&cmds, 1);
+        prop_assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
+        let screen = rig.screen();
+        let bad = screen.iter().zip(&m.px).position(|(a, b)| a != b);
+        prop_assert!(bad.is_none(), "first wrong pixel at index {:?}", bad);
+    }
 }
