@@ -400,3 +400,27 @@ fn test_gpu_e2e_device_reset_releases_pins_and_clears_registers() {
     let model = draw_scene(&mut s);
     assert_eq!(s.screen_via_mmap(), model);
 }
+
+#[test]
+fn test_gpu_e2e_fence_fires_intx_without_msi() {
+    let mut s = Setup::start(PinPolicy::Translate);
+    let efd = EventFd::new(EFD_NONBLOCK).unwrap();
+    s.client()
+        .set_irqs(
+            0, // INTx
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            0,
+            1,
+            &[efd.as_raw_fd()],
+        )
+        .unwrap();
+    s.drv.enable_irqs(IRQ_FENCE).unwrap();
+    s.drv
+        .submit(&mut s.ram, &[Command::Fence { value: 0x1f }])
+        .unwrap();
+    s.drv.wait_fence(0x1f).unwrap();
+    assert!(wait_eventfd(&efd, Duration::from_secs(5)), "INTx eventfd");
+    assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), IRQ_FENCE);
+    s.drv.ack(IRQ_FENCE).unwrap();
+    assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), 0);
+}
