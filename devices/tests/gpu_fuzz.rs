@@ -58,6 +58,11 @@ fn value() -> impl Strategy<Value = u64> {
 fn finish_and_check(rig: &mut Rig) {
     assert!(rig.gpu().wait_idle(Duration::from_secs(5)), "worker stuck");
     assert_eq!(rig.drv.read(REG_ID).unwrap(), ID_MAGIC);
+    // The device's pin table and the DMA layer agree: every held pin is a pinned page.
+    let held = rig.gpu().pins_held() as u64;
+    let pinned = rig.space.stats().pinned_pages;
+    assert!(pinned <= held && (held == 0) == (pinned == 0), "{held} vs {pinned}");
+    rig.space.check_invariants().unwrap();
     rig.adapter().reset().unwrap();
     assert_eq!(rig.gpu().pins_held(), 0);
     let stats = rig.space.stats();
