@@ -324,3 +324,38 @@ fn test_set_policy_busy_while_pinned() {
     h.unpin_pages(&[0]).unwrap();
     s.set_policy(PinPolicy::Lock).unwrap();
 }
+
+#[test]
+fn test_map_20k_small_regions_lookup_and_unmap_correct() {
+    // A vIOMMU guest maps many 4 KiB regions: inserts in scattered order, lookups of mapped
+    // pages and of the gaps, unmaps of every other one, then unmap_all.
+    let s = space(PinPolicy::Translate, 0);
+    s.set_max_dma_maps(200_000);
+    let n = 20_000u64;
+    for k in 0..n {
+        // Scattered insertion order.
+        let slot = (k * 48_271) % n;
+        map_fdless(&s, 2 * slot, 1, Prot::RW);
+    }
+    assert_eq!(s.stats().maps, n);
+    let h = s.handle();
+    let mut a = [0u64; 1];
+    for slot in (0..n).step_by(97) {
+        assert!(matches!(
+            h.pin_pages(&[2 * slot], Prot::READ, &mut a),
+            Err(DmaError::FdLess { .. })
+        ));
+        assert!(matches!(
+            h.pin_pages(&[2 * slot + 1], Prot::READ, &mut a),
+            Err(DmaError::NotMapped { .. })
+        ));
+    }
+    for slot in (0..n).step_by(2) {
+        s.unmap(2 * slot * PAGE_SIZE, PAGE_SIZE, &mut no_notify())
+            .unwrap();
+    }
+    assert_eq!(s.stats().maps, n / 2);
+    let report = s.unmap_all(&mut no_notify());
+    assert_eq!(report.maps_removed, n / 2);
+    s.check_invariants().unwrap();
+}

@@ -110,15 +110,17 @@ fn test_concurrent_pin_unpin_with_map_unmap_no_lost_update() {
     map_pages(&s, 0, 64, Prot::RW); // stable
     let stop = Arc::new(AtomicBool::new(false));
     let ops = Arc::new(AtomicU64::new(0));
-    // Pins each worker holds in the churned range (pfn 0x1000..0x1010); the notifier waits
-    // for them to reach zero, like a device quiescing its DMA.
+    // Workers inside the churned range (pfn 0x1000..0x1010); the notifier raises `quiesce`
+    // and waits for them to leave, like a device quiescing its DMA.
     let held = Arc::new(AtomicU64::new(0));
+    let quiesce = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     for t in 0..4u64 {
         let h = s.handle();
         let stop = stop.clone();
         let ops = ops.clone();
         let held = held.clone();
+        let quiesce = quiesce.clone();
         workers.push(std::thread::spawn(move || {
             let mut a = [0u64; 8];
             let mut i = 0u64;
@@ -131,7 +133,9 @@ fn test_concurrent_pin_unpin_with_map_unmap_no_lost_update() {
                 // Churned range: may be unmapped at any time.
                 held.fetch_add(1, Ordering::SeqCst);
                 let pfn = 0x1000 + (i % 16);
-                if h.pin_pages(&[pfn, pfn], Prot::READ, &mut a[..2]).is_ok() {
+                if !quiesce.load(Ordering::SeqCst)
+                    && h.pin_pages(&[pfn, pfn], Prot::READ, &mut a[..2]).is_ok()
+                {
                     let mut buf = [0u8; 16];
                     let _ = h.read(pfn * PAGE_SIZE, &mut buf);
                     h.unpin_pages(&[pfn, pfn]).unwrap();
@@ -142,17 +146,18 @@ fn test_concurrent_pin_unpin_with_map_unmap_no_lost_update() {
             }
         }));
     }
-    for _ in 0..60 {
+    for _ in 0..40 {
         map_pages(&s, 0x1000, 16, Prot::RW);
         std::thread::yield_now();
-        let held = held.clone();
         let report = s
             .unmap(0x1000 * PAGE_SIZE, 16 * PAGE_SIZE, &mut |_, _| {
+                quiesce.store(true, Ordering::SeqCst);
                 while held.load(Ordering::SeqCst) != 0 {
                     std::thread::yield_now();
                 }
             })
             .unwrap();
+        quiesce.store(false, Ordering::SeqCst);
         assert_eq!(report.leftover_pins, 0);
     }
     stop.store(true, Ordering::Relaxed);

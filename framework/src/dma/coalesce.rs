@@ -1,11 +1,12 @@
 //! Splitting an array of IOVA page numbers into runs: the one place coalescing happens.
 //!
 //! A run is a maximal slice `pfns[i..j]` of consecutive page numbers (`pfns[k] ==
-//! pfns[k-1] + 1`) inside one mapping: `{1,5,6,7,9}` → `{1} {5,6,7} {9}`. Each run costs one
-//! table lookup; the caller then does one permission check, one limit check and one residency
+//! pfns[k-1] + 1`) inside one mapping: `{1,5,6,7,9}` → `{1} {5,6,7} {9}`. Each run costs at
+//! most one table lookup (none when it starts in the previous run's mapping: a last-hit
+//! check of two compares); the caller then does one permission check, one limit check and one residency
 //! operation for it. The cheapest test (`pfn == prev + 1`) comes first, the region-end test
 //! second; nothing is allocated, so a one-page array costs one lookup and one callback, exactly
-//! what the per-page reference path ([`for_each_run`] with `COALESCE = false`) costs.
+//! what the per-page reference path ([`for_each_run`] with `COALESCE = false`, which looks up every page) costs.
 
 use std::sync::Arc;
 
@@ -26,8 +27,16 @@ where
 {
     let n = pfns.len();
     let mut i = 0;
+    let mut last: Option<&'t Arc<Region>> = None;
     while i < n {
-        let region = table.find_pfn(pfns[i])?;
+        let pfn = pfns[i];
+        let region = match last {
+            // Last-hit cache: a run that starts in the previous run's region needs no
+            // table search (scattered pages of one big mapping).
+            Some(r) if COALESCE && pfn.wrapping_sub(r.start_pfn) < r.end_pfn - r.start_pfn => r,
+            _ => table.find_pfn(pfn)?,
+        };
+        last = Some(region);
         let mut j = i + 1;
         if COALESCE {
             let end_pfn = region.end_pfn;

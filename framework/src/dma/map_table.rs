@@ -114,20 +114,19 @@ impl MapTable {
         Ok(t)
     }
 
-    /// A new table without the region starting at `iova` (which must exist).
-    pub(crate) fn with_removed(&self, iova: u64) -> MapTable {
-        let mut t = self.clone();
+    /// This table without the region starting at `iova` (unchanged if there is none).
+    pub(crate) fn without(mut self, iova: u64) -> MapTable {
         let Some((ci, ri)) = self.pred(iova.saturating_add(1)) else {
-            return t;
+            return self;
         };
         if self.chunks[ci][ri].iova != iova {
-            return t;
+            return self;
         }
-        let mut v = t.chunks[ci].to_vec();
+        let mut v = self.chunks[ci].to_vec();
         v.remove(ri);
-        t.len -= 1;
-        t.replace_chunk(ci, v);
-        t
+        self.len -= 1;
+        self.replace_chunk(ci, v);
+        self
     }
 
     /// Put `v` in place of chunk `ci`, splitting a large chunk or dropping an empty one.
@@ -198,7 +197,7 @@ mod tests {
         let all: Vec<u64> = t.iter().map(|r| r.iova).collect();
         assert!(all.windows(2).all(|w| w[0] < w[1]));
         for slot in (0..n).step_by(2) {
-            t = t.with_removed(slot * 0x2000);
+            t = t.without(slot * 0x2000);
         }
         assert_eq!(t.len(), (n / 2) as usize);
         assert!(t.find(0).is_none());

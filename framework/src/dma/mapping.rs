@@ -131,7 +131,7 @@ impl DmaSpace {
         } else {
             regions
                 .iter()
-                .fold((*table).clone(), |t, r| t.with_removed(r.iova))
+                .fold((*table).clone(), |t, r| t.without(r.iova))
         };
         self.table.store(Arc::new(new));
         // 5. Wait for in-flight accesses, then release the memory.

@@ -440,14 +440,24 @@ impl DmaHandle {
         prot: Prot,
         host_addrs: &mut [u64],
     ) -> Result<(), DmaError> {
-        self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)?;
+        if iova_pfns.len() == 1 {
+            // Nothing to coalesce: take exactly the per-page path (seeds/01: a one-page call
+            // must not get slower).
+            self.space.pin_impl::<false>(iova_pfns, prot, host_addrs)?;
+        } else {
+            self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)?;
+        }
         self.space.record(iova_pfns, prot);
         Ok(())
     }
 
     /// Unpin pages pinned by `pin_pages`; all-or-nothing (an unpinned page is an error).
     pub fn unpin_pages(&self, iova_pfns: &[u64]) -> Result<(), DmaError> {
-        self.space.unpin_impl::<true>(iova_pfns)
+        if iova_pfns.len() == 1 {
+            self.space.unpin_impl::<false>(iova_pfns)
+        } else {
+            self.space.unpin_impl::<true>(iova_pfns)
+        }
     }
 
     /// Pin `npages` consecutive pages from `iova_pfn`, which must lie in one mapping; returns

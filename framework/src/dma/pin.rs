@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
 use super::coalesce::for_each_run;
 use super::map_table::MapTable;
+use super::pin_table::{add_locked, sub_locked};
 use super::region::Region;
 use super::residency;
 use super::{DmaError, DmaSpace, PinPolicy, Prot, PAGE_SHIFT};
@@ -48,7 +49,12 @@ impl DmaSpace {
         let mut done = 0usize;
         let res = for_each_run::<COALESCE, _>(&table, pfns, |region, i, j| {
             let out = &mut out[i..j];
-            self.pin_run(region, pfns[i], (j - i) as u64, prot, policy, Some(out))?;
+            if j == i + 1 {
+                // A one-page run is compiled as the per-page path (n constant-folded).
+                self.pin_run(region, pfns[i], 1, prot, policy, Some(out))?;
+            } else {
+                self.pin_run(region, pfns[i], (j - i) as u64, prot, policy, Some(out))?;
+            }
             done = j;
             Ok(())
         });
@@ -120,9 +126,9 @@ impl DmaSpace {
             }
         }
         let added = region.pins.commit_pin(lo, hi, lock, prot.write);
-        self.counters.pinned_pages.fetch_add(added, Relaxed);
+        add_locked(&self.counters.pinned_pages, added);
         if lock {
-            self.counters.locked_pages.fetch_add(added, Relaxed);
+            add_locked(&self.counters.locked_pages, added);
         }
         if prot.write {
             self.mark_dirty(region, iova, n << PAGE_SHIFT);
@@ -160,12 +166,14 @@ impl DmaSpace {
         let res = for_each_run::<COALESCE, _>(table, pfns, |region, i, j| {
             let lo = pfns[i] - region.start_pfn;
             let hi = lo + (j - i) as u64;
-            region
-                .pins
-                .decrement(lo, hi)
-                .map_err(|p| DmaError::NotPinned {
-                    pfn: region.start_pfn + p,
-                })?;
+            let dec = if j == i + 1 {
+                region.pins.decrement(lo, lo + 1)
+            } else {
+                region.pins.decrement(lo, hi)
+            };
+            dec.map_err(|p| DmaError::NotPinned {
+                pfn: region.start_pfn + p,
+            })?;
             done = j;
             runs += 1;
             single = Some((region, lo, hi));
@@ -188,7 +196,11 @@ impl DmaSpace {
             _ => {
                 let res = for_each_run::<COALESCE, _>(table, pfns, |region, i, j| {
                     let lo = pfns[i] - region.start_pfn;
-                    self.release_run(region, lo, lo + (j - i) as u64);
+                    if j == i + 1 {
+                        self.release_run(region, lo, lo + 1);
+                    } else {
+                        self.release_run(region, lo, lo + (j - i) as u64);
+                    }
                     Ok(())
                 });
                 if let Err(e) = res {
@@ -200,14 +212,15 @@ impl DmaSpace {
     }
 
     /// Release the zero-count pages of `[lo, hi)` of `region` (munlock, counters).
+    #[inline]
     fn release_run(&self, region: &Region, lo: u64, hi: u64) {
         let syscalls = &self.counters.residency_syscalls;
         let host = region.host;
         let rel = region.pins.release_zeroed(lo, hi, &mut |a, b| {
             residency::unlock(host + (a << PAGE_SHIFT), b - a, syscalls)
         });
-        self.counters.pinned_pages.fetch_sub(rel.pinned, Relaxed);
-        self.counters.locked_pages.fetch_sub(rel.locked, Relaxed);
+        sub_locked(&self.counters.pinned_pages, rel.pinned);
+        sub_locked(&self.counters.locked_pages, rel.locked);
     }
 
     /// `pin_range`: pin `npages` consecutive pages inside one mapping.

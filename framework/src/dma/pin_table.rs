@@ -31,6 +31,46 @@ pub(crate) const LOCKED: u32 = 1 << 31;
 
 type Chunk = [AtomicU32; CHUNK_PAGES];
 
+/// `a += x` for a counter only mutated with the pin lock held (a plain load and store: no
+/// read-modify-write needed, readers just see a consistent value).
+#[inline]
+pub(crate) fn add_locked(a: &AtomicU64, x: u64) {
+    if x != 0 {
+        a.store(a.load(Relaxed).wrapping_add(x), Relaxed);
+    }
+}
+
+/// `a -= x`, see [`add_locked`].
+#[inline]
+pub(crate) fn sub_locked(a: &AtomicU64, x: u64) {
+    if x != 0 {
+        a.store(a.load(Relaxed).wrapping_sub(x), Relaxed);
+    }
+}
+
+/// Global page index of word `k` of chunk `ci`.
+#[inline]
+fn page_of(ci: usize, k: usize) -> u64 {
+    ((ci as u64) << CHUNK_SHIFT) + k as u64
+}
+
+/// `[lo, hi)` split at chunk boundaries, as (chunk, first word, end word).
+#[inline]
+fn segments(lo: u64, hi: u64) -> impl Iterator<Item = (usize, usize, usize)> {
+    let mut p = lo;
+    std::iter::from_fn(move || {
+        if p >= hi {
+            return None;
+        }
+        let ci = (p >> CHUNK_SHIFT) as usize;
+        let s = (p as usize) & (CHUNK_PAGES - 1);
+        let chunk_base = p - s as u64;
+        let e = (hi - chunk_base).min(CHUNK_PAGES as u64) as usize;
+        p = chunk_base + e as u64;
+        Some((ci, s, e))
+    })
+}
+
 /// Pin words of one region.
 pub(crate) struct PinTable {
     chunks: Box<[OnceLock<Box<Chunk>>]>,
@@ -62,38 +102,63 @@ impl PinTable {
         }
     }
 
+    /// The chunk `ci` if allocated.
+    #[inline]
+    fn chunk(&self, ci: usize) -> Option<&Chunk> {
+        self.chunks.get(ci)?.get().map(|b| &**b)
+    }
+
+    /// The chunk `ci`, allocating it. `ci` < number of chunks.
+    #[inline]
+    fn chunk_mut(&self, ci: usize) -> &Chunk {
+        self.chunks[ci].get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU32::new(0))))
+    }
+
     /// The word of `page` if its chunk exists.
     #[inline]
     fn word(&self, page: u64) -> Option<&AtomicU32> {
-        let chunk = self.chunks.get((page >> CHUNK_SHIFT) as usize)?.get()?;
-        Some(&chunk[(page as usize) & (CHUNK_PAGES - 1)])
+        self.chunk((page >> CHUNK_SHIFT) as usize)
+            .map(|c| &c[(page as usize) & (CHUNK_PAGES - 1)])
     }
 
-    /// The word of `page`, allocating its chunk. `page < npages`.
+    /// The word of `page`, allocating its chunk. `page` < npages.
     #[inline]
     fn word_mut(&self, page: u64) -> &AtomicU32 {
-        let chunk = self.chunks[(page >> CHUNK_SHIFT) as usize]
-            .get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU32::new(0))));
-        &chunk[(page as usize) & (CHUNK_PAGES - 1)]
+        &self.chunk_mut((page >> CHUNK_SHIFT) as usize)[(page as usize) & (CHUNK_PAGES - 1)]
     }
 
     /// Current word of `page` (0 when never pinned).
     #[inline]
     pub(crate) fn get(&self, page: u64) -> u32 {
-        self.word(page).map_or(0, |w| w.load(Relaxed))
+        self.chunk((page >> CHUNK_SHIFT) as usize)
+            .map_or(0, |c| c[(page as usize) & (CHUNK_PAGES - 1)].load(Relaxed))
     }
 
     /// Count the pages of `[lo, hi)` with pin count 0 (the ones a pin would newly pin).
     /// Fails with the offending page if a count would overflow. Does not mutate.
     #[inline]
     pub(crate) fn count_new(&self, lo: u64, hi: u64) -> Result<u64, u64> {
+        if hi == lo + 1 {
+            // One page (every run of an all-scattered array): no segment iteration.
+            return match self.get(lo) & COUNT_MASK {
+                0 => Ok(1),
+                COUNT_MASK => Err(lo),
+                _ => Ok(0),
+            };
+        }
         let mut new = 0;
-        for page in lo..hi {
-            let count = self.get(page) & COUNT_MASK;
-            if count == 0 {
-                new += 1;
-            } else if count == COUNT_MASK {
-                return Err(page);
+        for (ci, s, e) in segments(lo, hi) {
+            let Some(c) = self.chunk(ci) else {
+                new += (e - s) as u64;
+                continue;
+            };
+            for (k, w) in c[s..e].iter().enumerate() {
+                let count = w.load(Relaxed) & COUNT_MASK;
+                if count == 0 {
+                    new += 1;
+                } else if count == COUNT_MASK {
+                    return Err(page_of(ci, s + k));
+                }
             }
         }
         Ok(new)
@@ -107,8 +172,7 @@ impl PinTable {
         let mut new = 0;
         let fresh = PINNED | if lock { LOCKED } else { 0 };
         let wflag = if write { WRITABLE } else { 0 };
-        for page in lo..hi {
-            let w = self.word_mut(page);
+        let mut bump = |w: &AtomicU32| {
             let v = w.load(Relaxed);
             let v = if v & COUNT_MASK == 0 {
                 new += 1;
@@ -117,10 +181,17 @@ impl PinTable {
                 v
             };
             w.store((v + 1) | wflag, Relaxed);
+        };
+        if hi == lo + 1 {
+            bump(self.word_mut(lo));
+        } else {
+            for (ci, s, e) in segments(lo, hi) {
+                self.chunk_mut(ci)[s..e].iter().for_each(&mut bump);
+            }
         }
-        self.pinned.fetch_add(new, Relaxed);
+        add_locked(&self.pinned, new);
         if lock {
-            self.locked.fetch_add(new, Relaxed);
+            add_locked(&self.locked, new);
         }
         new
     }
@@ -129,22 +200,29 @@ impl PinTable {
     /// with count 0 the pages already decremented are restored and that page is returned.
     #[inline]
     pub(crate) fn decrement(&self, lo: u64, hi: u64) -> Result<(), u64> {
-        for page in lo..hi {
-            let ok = match self.word(page) {
-                Some(w) => {
-                    let v = w.load(Relaxed);
-                    if v & COUNT_MASK == 0 {
-                        false
-                    } else {
-                        w.store(v - 1, Relaxed);
-                        true
-                    }
-                }
-                None => false,
+        if hi == lo + 1 {
+            let w = self.word(lo).ok_or(lo)?;
+            let v = w.load(Relaxed);
+            if v & COUNT_MASK == 0 {
+                return Err(lo);
+            }
+            w.store(v - 1, Relaxed);
+            return Ok(());
+        }
+        for (ci, s, e) in segments(lo, hi) {
+            let Some(c) = self.chunk(ci) else {
+                let bad = page_of(ci, s);
+                self.increment_back(lo, bad);
+                return Err(bad);
             };
-            if !ok {
-                self.increment_back(lo, page);
-                return Err(page);
+            for (k, w) in c[s..e].iter().enumerate() {
+                let v = w.load(Relaxed);
+                if v & COUNT_MASK == 0 {
+                    let bad = page_of(ci, s + k);
+                    self.increment_back(lo, bad);
+                    return Err(bad);
+                }
+                w.store(v - 1, Relaxed);
             }
         }
         Ok(())
@@ -153,10 +231,12 @@ impl PinTable {
     /// Undo a successful [`PinTable::decrement`] of `[lo, hi)`.
     #[inline]
     pub(crate) fn increment_back(&self, lo: u64, hi: u64) {
-        for page in lo..hi {
-            if let Some(w) = self.word(page) {
-                let v = w.load(Relaxed);
-                w.store(v + 1, Relaxed);
+        for (ci, s, e) in segments(lo, hi) {
+            if let Some(c) = self.chunk(ci) {
+                for w in &c[s..e] {
+                    let v = w.load(Relaxed);
+                    w.store(v + 1, Relaxed);
+                }
             }
         }
     }
@@ -172,36 +252,56 @@ impl PinTable {
         unlock: &mut dyn FnMut(u64, u64),
     ) -> Released {
         let mut rel = Released::default();
-        let mut run_start: Option<u64> = None;
-        for page in lo..hi {
-            let mut locked_here = false;
-            if let Some(w) = self.word(page) {
+        if hi == lo + 1 {
+            if let Some(w) = self.word(lo) {
                 let v = w.load(Relaxed);
                 if v & COUNT_MASK == 0 && v != 0 {
-                    if v & PINNED != 0 {
-                        rel.pinned += 1;
+                    w.store(0, Relaxed);
+                    rel.pinned = u64::from(v & PINNED != 0);
+                    rel.locked = u64::from(v & LOCKED != 0);
+                    if rel.locked != 0 {
+                        unlock(lo, hi);
                     }
+                    sub_locked(&self.pinned, rel.pinned);
+                    sub_locked(&self.locked, rel.locked);
+                }
+            }
+            return rel;
+        }
+        let mut run_start: Option<u64> = None;
+        for (ci, s, e) in segments(lo, hi) {
+            let Some(c) = self.chunk(ci) else {
+                if let Some(st) = run_start.take() {
+                    unlock(st, page_of(ci, s));
+                }
+                continue;
+            };
+            for (k, w) in c[s..e].iter().enumerate() {
+                let v = w.load(Relaxed);
+                let mut locked_here = false;
+                if v & COUNT_MASK == 0 && v != 0 {
+                    rel.pinned += u64::from(v & PINNED != 0);
                     if v & LOCKED != 0 {
                         rel.locked += 1;
                         locked_here = true;
                     }
                     w.store(0, Relaxed);
                 }
-            }
-            match (locked_here, run_start) {
-                (true, None) => run_start = Some(page),
-                (false, Some(s)) => {
-                    unlock(s, page);
-                    run_start = None;
+                match (locked_here, run_start) {
+                    (true, None) => run_start = Some(page_of(ci, s + k)),
+                    (false, Some(st)) => {
+                        unlock(st, page_of(ci, s + k));
+                        run_start = None;
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
         }
-        if let Some(s) = run_start {
-            unlock(s, hi);
+        if let Some(st) = run_start {
+            unlock(st, hi);
         }
-        self.pinned.fetch_sub(rel.pinned, Relaxed);
-        self.locked.fetch_sub(rel.locked, Relaxed);
+        sub_locked(&self.pinned, rel.pinned);
+        sub_locked(&self.locked, rel.locked);
         rel
     }
 
@@ -281,6 +381,26 @@ mod tests {
         );
         assert_eq!(unlocked, vec![(10, 25)]);
         assert_eq!(t.scan(), (0, 0, 0));
+    }
+
+    #[test]
+    fn test_ranges_across_chunk_boundaries() {
+        let t = PinTable::new(3 * CHUNK_PAGES as u64);
+        let (lo, hi) = (CHUNK_PAGES as u64 - 3, 2 * CHUNK_PAGES as u64 + 5);
+        assert_eq!(t.count_new(lo, hi), Ok(hi - lo));
+        assert_eq!(t.commit_pin(lo, hi, true, false), hi - lo);
+        assert_eq!(t.count_new(lo - 2, hi + 2), Ok(4));
+        assert_eq!(t.decrement(lo - 1, hi), Err(lo - 1));
+        t.decrement(lo, hi).unwrap();
+        let mut unlocked = Vec::new();
+        t.release_zeroed(0, 3 * CHUNK_PAGES as u64, &mut |a, b| unlocked.push((a, b)));
+        assert_eq!(unlocked, vec![(lo, hi)]);
+        assert_eq!(t.scan(), (0, 0, 0));
+        // A range starting in an unallocated chunk fails at its first page.
+        let t = PinTable::new(3 * CHUNK_PAGES as u64);
+        t.commit_pin(0, 4, false, false);
+        assert_eq!(t.decrement(2, CHUNK_PAGES as u64 + 1), Err(4));
+        assert_eq!(t.get(2) & COUNT_MASK, 1);
     }
 
     #[test]

@@ -196,9 +196,12 @@ impl Channel {
         send_message(&w, buf, fds)
     }
 
-    /// Send an error reply to `hdr` (nothing if it asked for no reply or is a reply).
+    /// Send an error reply to `hdr` (nothing if it asked for no reply or is a reply; a
+    /// message of an undefined type is answered, its sender may be waiting).
     pub fn send_error(&self, hdr: &Header, errno: i32) {
-        if hdr.no_reply() || hdr.flags & crate::protocol::FLAGS_TYPE_MASK != 0 {
+        let is_reply =
+            hdr.flags & crate::protocol::FLAGS_TYPE_MASK == crate::protocol::FLAGS_TYPE_REPLY;
+        if hdr.no_reply() || is_reply {
             return;
         }
         if let Err(e) = self.send(&hdr.error_reply(errno).encode(), &[]) {
