@@ -21,8 +21,8 @@ use super::machine;
 use super::patterns::{generate, runs, Pattern};
 use super::progress::{Progress, ProgressMode};
 use super::report::{
-    pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo, VariantResult,
-    PIN_SCHEMA,
+    paired_ratio, pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
+    VariantResult, PIN_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
 use super::trace::{compact, read_trace};
@@ -332,11 +332,12 @@ fn run_policy(
             Ok((a, b)) => (Some(a), Some(b), None),
             Err(e) => (None, None, Some(e)),
         };
-        let ratio = match (&coalesced, &per_page) {
-            (Some(a), Some(b)) if a.ns_per_page.median > 0.0 => {
-                Some(b.ns_per_page.median / a.ns_per_page.median)
-            }
-            _ => None,
+        let (ratio, ratio_paired) = match (&coalesced, &per_page) {
+            (Some(a), Some(b)) if a.ns_per_page.median > 0.0 => (
+                Some(b.ns_per_page.median / a.ns_per_page.median),
+                Some(paired_ratio(a, b)),
+            ),
+            _ => (None, None),
         };
         cells.push(PinCell {
             backing: backing.name(),
@@ -349,6 +350,7 @@ fn run_policy(
             coalesced,
             per_page,
             ratio,
+            ratio_paired,
             error,
         });
         progress.finish_step();

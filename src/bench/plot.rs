@@ -307,6 +307,7 @@ mod report_tests {
             coalesced: Some(v(a)),
             per_page: Some(v(b)),
             ratio: Some(b / a),
+            ratio_paired: None,
             error: None,
         }
     }
