@@ -333,6 +333,7 @@ mod report_tests {
                 },
                 seed: 0,
                 quick: true,
+                self_check: false,
                 region_iova: 0,
                 region_bytes: 0,
                 trace_bucket_cap: 1,

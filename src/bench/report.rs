@@ -120,6 +120,8 @@ pub struct PinConfig {
     pub seed: u64,
     /// `--quick`.
     pub quick: bool,
+    /// `--self-check`: both sides ran the coalesced path.
+    pub self_check: bool,
     /// IOVA of the bench region.
     pub region_iova: u64,
     /// Size of the bench region in bytes.
@@ -201,7 +203,7 @@ pub fn pin_table(report: &PinReport) -> String {
             ">per-page",
             ">p10–p90",
             ">ratio",
-            ">paired p10–p90",
+            ">paired IQR",
             ">syscalls/array",
         ]);
         for c in report
@@ -230,7 +232,7 @@ pub fn pin_table(report: &PinReport) -> String {
                     spread(&b.ns_per_page),
                     c.ratio.map_or("-".into(), |r| format!("{r:.2}×")),
                     c.ratio_paired
-                        .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p10, r.p90)),
+                        .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p25, r.p75)),
                     format!(
                         "{} / {}",
                         fmt_sys(a.syscalls_per_array),
@@ -251,8 +253,8 @@ pub fn pin_table(report: &PinReport) -> String {
         out.push_str(&format!("\nskipped {}: {}\n", b.backing, b.note));
     }
     out.push_str(
-        "\nratio = per-page / coalesced (> 1: coalescing is faster); paired = spread of the \
-         ratio over back-to-back sample pairs; syscalls = coalesced / per-page per array\n",
+        "\nratio = per-page / coalesced (> 1: coalescing is faster); paired IQR = p25–p75 \
+         of the ratio over back-to-back sample pairs; syscalls = coalesced / per-page per array\n",
     );
     out
 }
