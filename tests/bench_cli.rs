@@ -314,3 +314,39 @@ fn test_bench_record_both_devices_write_replayable_traces() {
             .all(|c| c["pattern"] == format!("trace:{device}") && c["error"].is_null()));
     }
 }
+
+#[test]
+fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("aa.json");
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--quiet",
+        "--self-check",
+        "--sizes",
+        "64",
+        "--patterns",
+        "contiguous",
+        "--backings",
+        "4k",
+        "--policies",
+        "lock",
+        "--samples",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["config"]["self_check"], true);
+    let cell = &v["cells"][0];
+    // Both sides took the coalesced path: one mlock + one munlock per array.
+    assert_eq!(cell["coalesced"]["syscalls_per_array"].as_f64(), Some(2.0));
+    assert_eq!(cell["per_page"]["syscalls_per_array"].as_f64(), Some(2.0));
+}
