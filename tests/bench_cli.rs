@@ -250,3 +250,103 @@ fn test_bench_wire_quick_json_has_every_row() {
     // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
     assert_pair_rows(&v, 1, 5);
 }
+
+#[test]
+fn test_bench_record_both_devices_write_replayable_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    for (device, min_arrays) in [("gpu", 4), ("ccw", 4)] {
+        let trace = dir.path().join(format!("{device}.jsonl"));
+        let out = umdev(&[
+            "bench",
+            "record",
+            device,
+            "--steps",
+            "4",
+            "--out",
+            trace.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&trace).unwrap();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("trace line is JSON"))
+            .collect();
+        assert!(
+            lines.len() >= min_arrays,
+            "{device}: {} arrays",
+            lines.len()
+        );
+        assert!(lines
+            .iter()
+            .all(|l| l["pfns"].as_array().is_some_and(|a| !a.is_empty())));
+        let json = dir.path().join(format!("{device}.json"));
+        let out = umdev(&[
+            "bench",
+            "pin",
+            "--quick",
+            "--quiet",
+            "--traces-only",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--backings",
+            "4k",
+            "--policies",
+            "translate",
+            "--samples",
+            "2",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = read_json(&json);
+        let cells = v["cells"].as_array().unwrap();
+        assert!(!cells.is_empty());
+        assert!(cells
+            .iter()
+            .all(|c| c["pattern"] == format!("trace:{device}") && c["error"].is_null()));
+    }
+}
+
+#[test]
+fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("aa.json");
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--quiet",
+        "--self-check",
+        "--sizes",
+        "64",
+        "--patterns",
+        "contiguous",
+        "--backings",
+        "4k",
+        "--policies",
+        "lock",
+        "--samples",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["config"]["self_check"], true);
+    let cell = &v["cells"][0];
+    // Both sides took the coalesced path: one mlock + one munlock per array.
+    assert_eq!(cell["coalesced"]["syscalls_per_array"].as_f64(), Some(2.0));
+    assert_eq!(cell["per_page"]["syscalls_per_array"].as_f64(), Some(2.0));
+}
