@@ -456,7 +456,12 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
             })
         };
         // Let the device's transfers get going, then unmap in the middle of them.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while vmm.requests < 8 * (round + 1) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "device thread never ran"
+            );
             vmm.read32(region_index::BAR0, 0);
         }
         let p = umdev::protocol::dma_map::DmaUnmapRequest {
@@ -474,7 +479,12 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
             vmm.read32(region_index::BAR0, 0);
         }
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while !device.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "device thread did not stop"
+            );
             vmm.read32(region_index::BAR0, 0);
         }
         device.join().unwrap();
