@@ -711,6 +711,37 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
         assert_eq!(served.device().device().pins_held(), 0);
         served.assert_space_unpinned();
     }
+    // Reset while the worker waits for a DMA_READ the VMM never answers: bounded by the
+    // remote DMA timeout; no status, no pins, and the next program works.
+    vmm.answer = Answer::Silent;
+    let bar = region_index::BAR0;
+    vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32);
+    let before = vmm.requests;
+    vmm.write32(bar, regs::START, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while vmm.requests == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no DMA_READ for the OPB"
+        );
+        vmm.read32(bar, regs::STATUS);
+    }
+    let started = std::time::Instant::now();
+    let m = vmm.call(umdev::protocol::Command::DeviceReset, &[], &[]);
+    assert!(!m.header.is_error(), "reset errno {}", m.header.error);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "reset took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(vmm.read32(bar, regs::STATUS) & regs::STATUS_BUSY, 0);
+    assert_eq!(served.device().device().pins_held(), 0);
+    vmm.answer = Answer::Honest;
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    let (irq, last) = run(&mut vmm);
+    assert_eq!(irq, regs::IRQ_DONE);
+    assert_eq!(driver::decode_last_status(last).2, Some(Fault::None));
+
     // Data pages in fd-less memory cannot be pinned: the program ends with a data fault.
     let prog = driver::encode_program(&[CcwWord::read(512, FDLESS + 0x800)]);
     vmm.mem[0x100..0x100 + prog.len()].copy_from_slice(&prog);
