@@ -69,7 +69,8 @@ pub struct PinCell {
     /// Median per-page ns / median coalesced ns (> 1: coalescing is faster).
     pub ratio: Option<f64>,
     /// Per-page / coalesced of each pair of samples taken back to back (sample i of both
-    /// variants): its spread says how sure the ratio is on this machine.
+    /// variants). Its median is the ratio the table shows (robust to drift between pairs);
+    /// its spread says how sure the ratio is on this machine.
     pub ratio_paired: Option<Summary>,
     /// Why the cell has no result.
     pub error: Option<String>,
@@ -230,7 +231,10 @@ pub fn pin_table(report: &PinReport) -> String {
                     spread(&a.ns_per_page),
                     fmt_ns(b.ns_per_page.median),
                     spread(&b.ns_per_page),
-                    c.ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+                    c.ratio_paired
+                        .map(|r| r.median)
+                        .or(c.ratio)
+                        .map_or("-".into(), |r| format!("{r:.2}×")),
                     c.ratio_paired
                         .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p25, r.p75)),
                     format!(
@@ -253,8 +257,8 @@ pub fn pin_table(report: &PinReport) -> String {
         out.push_str(&format!("\nskipped {}: {}\n", b.backing, b.note));
     }
     out.push_str(
-        "\nratio = per-page / coalesced (> 1: coalescing is faster); paired IQR = p25–p75 \
-         of the ratio over back-to-back sample pairs; syscalls = coalesced / per-page per array\n",
+        "\nratio = per-page / coalesced (> 1: coalescing is faster), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75; syscalls = coalesced / per-page per array\n",
     );
     out
 }
