@@ -17,6 +17,13 @@
 //! which makes multi-page, multi-region calls all-or-nothing and the accounting exact.
 //! Map/unmap/dirty-logging serialize on a map lock taken only by the connection thread.
 //!
+//! # Residency and the kernel
+//! `Lock` mlocks runs of a `MAP_SHARED` mapping; the kernel splits the mapping's VMA at each
+//! locked run's edges, so many scattered locked pages cost VMAs (bounded by
+//! `vm.max_map_count`, 65530 by default: about 32 Ki scattered locked runs). Coalesced runs
+//! keep that number down. mlock also needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK) at least as large
+//! as umdev's own limit, otherwise pins fail with the kernel's errno.
+//!
 //! # Host addresses of pinned pages
 //! A host address returned by `pin_pages`/`pin_range` points into a `MAP_SHARED` mapping of
 //! the client's memory; pages that are consecutive in IOVA *and* in one mapping are

@@ -128,7 +128,8 @@ pub(crate) struct Region {
     pub(crate) closing: AtomicBool,
     /// Set when the region left the map table: no new accesses.
     pub(crate) removed: AtomicBool,
-    /// Accesses (dma_rw chunks) currently touching the host mapping.
+    /// Accesses currently in flight: dma_rw copies, and DMA_READ/DMA_WRITE pieces of an
+    /// fd-less region waiting for the client.
     pub(crate) inflight: AtomicU64,
     /// Dirty log while logging is on.
     pub(crate) dirty: ArcSwapOption<DirtyBitmap>,
