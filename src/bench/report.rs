@@ -323,6 +323,9 @@ pub struct PairRow {
     pub b: SideResult,
     /// Median of `a` / median of `b` (time ratio: > 1 means `a` is slower).
     pub ratio_a_over_b: f64,
+    /// `a` / `b` of each pair of samples taken back to back; the table shows its median
+    /// (robust to drift between pairs) and p25–p75.
+    pub ratio_paired: Summary,
 }
 
 impl PairRow {
@@ -333,12 +336,20 @@ impl PairRow {
         } else {
             f64::NAN
         };
+        let paired: Vec<f64> = a
+            .samples_ns
+            .iter()
+            .zip(&b.samples_ns)
+            .filter(|(_, y)| **y > 0.0)
+            .map(|(x, y)| x / y)
+            .collect();
         PairRow {
             group: group.to_string(),
             size_bytes,
             a,
             b,
             ratio_a_over_b,
+            ratio_paired: summarize(&paired),
         }
     }
 }
@@ -398,7 +409,15 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
             "\n{group}: ns per operation, median and p10–p90\n"
         ));
         let (ah, bh) = (format!(">{an}"), format!(">{bn}"));
-        let mut headers = vec![">size", &ah, ">p10–p90", &bh, ">p10–p90", ">ratio"];
+        let mut headers = vec![
+            ">size",
+            &ah,
+            ">p10–p90",
+            &bh,
+            ">p10–p90",
+            ">ratio",
+            ">paired IQR",
+        ];
         if throughput {
             headers.push(">GB/s");
         }
@@ -419,7 +438,8 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
                 spread(&r.a.ns),
                 fmt_ns(r.b.ns.median),
                 spread(&r.b.ns),
-                format!("{:.2}×", r.ratio_a_over_b),
+                format!("{:.2}×", r.ratio_paired.median),
+                format!("{:.2}–{:.2}", r.ratio_paired.p25, r.ratio_paired.p75),
             ];
             if throughput {
                 row.push(gbs);
@@ -431,6 +451,10 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
     for u in &report.unavailable {
         out.push_str(&format!("\nnot available: {u}\n"));
     }
+    out.push_str(
+        "\nratio = left / right time (> 1: the left side is slower), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75\n",
+    );
     out
 }
 
