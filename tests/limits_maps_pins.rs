@@ -43,6 +43,7 @@ fn map_payload(iova: u64, size: u64, offset: u64) -> Vec<u8> {
 fn unmap_payload(iova: u64, size: u64) -> Vec<u8> {
     DmaUnmapRequest {
         argsz: 24,
+        all: false,
         iova,
         size,
     }

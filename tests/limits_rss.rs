@@ -53,6 +53,7 @@ fn test_limits_10000_map_unmap_cycles_keep_rss_and_fds_bounded() {
             0,
             &DmaUnmapRequest {
                 argsz: 24,
+                all: false,
                 iova,
                 size: 16 * PAGE_SIZE,
             }

@@ -461,6 +461,7 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
         }
         let p = umdev::protocol::dma_map::DmaUnmapRequest {
             argsz: 24,
+            all: false,
             iova: FDLESS,
             size: SIZE,
         }
