@@ -69,7 +69,8 @@ pub struct PinCell {
     /// Median per-page ns / median coalesced ns (> 1: coalescing is faster).
     pub ratio: Option<f64>,
     /// Per-page / coalesced of each pair of samples taken back to back (sample i of both
-    /// variants): its spread says how sure the ratio is on this machine.
+    /// variants). Its median is the ratio the table shows (robust to drift between pairs);
+    /// its spread says how sure the ratio is on this machine.
     pub ratio_paired: Option<Summary>,
     /// Why the cell has no result.
     pub error: Option<String>,
@@ -230,7 +231,10 @@ pub fn pin_table(report: &PinReport) -> String {
                     spread(&a.ns_per_page),
                     fmt_ns(b.ns_per_page.median),
                     spread(&b.ns_per_page),
-                    c.ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+                    c.ratio_paired
+                        .map(|r| r.median)
+                        .or(c.ratio)
+                        .map_or("-".into(), |r| format!("{r:.2}×")),
                     c.ratio_paired
                         .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p25, r.p75)),
                     format!(
@@ -253,8 +257,8 @@ pub fn pin_table(report: &PinReport) -> String {
         out.push_str(&format!("\nskipped {}: {}\n", b.backing, b.note));
     }
     out.push_str(
-        "\nratio = per-page / coalesced (> 1: coalescing is faster); paired IQR = p25–p75 \
-         of the ratio over back-to-back sample pairs; syscalls = coalesced / per-page per array\n",
+        "\nratio = per-page / coalesced (> 1: coalescing is faster), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75; syscalls = coalesced / per-page per array\n",
     );
     out
 }
@@ -319,6 +323,9 @@ pub struct PairRow {
     pub b: SideResult,
     /// Median of `a` / median of `b` (time ratio: > 1 means `a` is slower).
     pub ratio_a_over_b: f64,
+    /// `a` / `b` of each pair of samples taken back to back; the table shows its median
+    /// (robust to drift between pairs) and p25–p75.
+    pub ratio_paired: Summary,
 }
 
 impl PairRow {
@@ -329,12 +336,20 @@ impl PairRow {
         } else {
             f64::NAN
         };
+        let paired: Vec<f64> = a
+            .samples_ns
+            .iter()
+            .zip(&b.samples_ns)
+            .filter(|(_, y)| **y > 0.0)
+            .map(|(x, y)| x / y)
+            .collect();
         PairRow {
             group: group.to_string(),
             size_bytes,
             a,
             b,
             ratio_a_over_b,
+            ratio_paired: summarize(&paired),
         }
     }
 }
@@ -394,7 +409,15 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
             "\n{group}: ns per operation, median and p10–p90\n"
         ));
         let (ah, bh) = (format!(">{an}"), format!(">{bn}"));
-        let mut headers = vec![">size", &ah, ">p10–p90", &bh, ">p10–p90", ">ratio"];
+        let mut headers = vec![
+            ">size",
+            &ah,
+            ">p10–p90",
+            &bh,
+            ">p10–p90",
+            ">ratio",
+            ">paired IQR",
+        ];
         if throughput {
             headers.push(">GB/s");
         }
@@ -415,7 +438,8 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
                 spread(&r.a.ns),
                 fmt_ns(r.b.ns.median),
                 spread(&r.b.ns),
-                format!("{:.2}×", r.ratio_a_over_b),
+                format!("{:.2}×", r.ratio_paired.median),
+                format!("{:.2}–{:.2}", r.ratio_paired.p25, r.ratio_paired.p75),
             ];
             if throughput {
                 row.push(gbs);
@@ -427,6 +451,10 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
     for u in &report.unavailable {
         out.push_str(&format!("\nnot available: {u}\n"));
     }
+    out.push_str(
+        "\nratio = left / right time (> 1: the left side is slower), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75\n",
+    );
     out
 }
 
