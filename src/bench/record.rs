@@ -16,16 +16,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::pci::PciAdapter;
 use umdev::server::{Server, ServerConfig};
-use umdev_cli::vmm::{wait_eventfd, Bar0, Vmm};
-use umdev_devices::ccw::driver::{
-    self as ccw, regs as ccw_regs, CcwWord, OperationBlock, StatusBlock,
-};
+use umdev_cli::vmm::{Bar0, Vmm};
+use umdev_devices::ccw::driver::{self as ccw, CcwWord};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::commands::Command as GpuCmd;
 use umdev_devices::gpu::driver::Driver;
@@ -209,26 +206,7 @@ fn ccw_run(
     program: &[CcwWord],
     block: u64,
 ) -> Result<(), BoxError> {
-    let (opb, prog, status) = (RAM_BASE, RAM_BASE + 0x100, RAM_BASE + 0x80);
-    vmm.ram.write(prog, &ccw::encode_program(program))?;
-    let ob = OperationBlock {
-        program: prog,
-        block,
-        status,
-        flags: 0,
-        reserved: 0,
-    };
-    vmm.ram.write(opb, &ob.to_bytes())?;
-    vmm.write32(0, ccw_regs::OPB_ADDR_LO, opb as u32)?;
-    vmm.write32(0, ccw_regs::OPB_ADDR_HI, (opb >> 32) as u32)?;
-    vmm.write32(0, ccw_regs::START, 1)?;
-    if wait_eventfd(msi, Duration::from_secs(5)).is_none() {
-        return Err("ccw: no completion interrupt".into());
-    }
-    vmm.write32(0, ccw_regs::IRQ_STATUS, ccw_regs::IRQ_ALL)?;
-    let mut sb = [0u8; ccw::STATUS_BLOCK_SIZE];
-    vmm.ram.read(status, &mut sb)?;
-    let st = StatusBlock::from_bytes(&sb);
+    let st = vmm.run_ccw_program(msi, program, block)?;
     if st.fault != 0 {
         return Err(format!("ccw: program faulted: {st:?}").into());
     }
