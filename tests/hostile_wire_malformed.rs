@@ -1084,7 +1084,9 @@ fn test_hostile_interleaved_ids_replies_in_order_with_their_ids() {
     let mut c = RawClient::new_default(&ts.path);
     // Sent back to back without waiting: duplicate, descending and wrapping ids, and an
     // unsolicited reply in the middle.
-    let msgs: [(u16, u16, u32, Vec<u8>, Option<u32>); 6] = [
+    // (id, command, flags, payload, expected errno)
+    type Sent = (u16, u16, u32, Vec<u8>, Option<u32>);
+    let msgs: [Sent; 6] = [
         (7, Command::RegionRead as u16, 0, access(7, 0, 4), None),
         (
             7,

@@ -9,13 +9,21 @@
 //! Files: `map_table` (lock-free sorted snapshot of mappings), `region` (one mapping),
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
-//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol).
+//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
+//! `sigbus` (surviving a client that shrinks a mapped file).
 //!
 //! # Concurrency
 //! Lookups (pins, `dma_rw`) read an `ArcSwap` snapshot of the map table: no lock. Pin and
 //! unpin calls serialize on one pin lock per space (as type1 serializes on `iommu->lock`),
 //! which makes multi-page, multi-region calls all-or-nothing and the accounting exact.
 //! Map/unmap/dirty-logging serialize on a map lock taken only by the connection thread.
+//!
+//! # Residency and the kernel
+//! `Lock` mlocks runs of a `MAP_SHARED` mapping; the kernel splits the mapping's VMA at each
+//! locked run's edges, so many scattered locked pages cost VMAs (bounded by
+//! `vm.max_map_count`, 65530 by default: about 32 Ki scattered locked runs). Coalesced runs
+//! keep that number down. mlock also needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK) at least as large
+//! as umdev's own limit, otherwise pins fail with the kernel's errno.
 //!
 //! # Host addresses of pinned pages
 //! A host address returned by `pin_pages`/`pin_range` points into a `MAP_SHARED` mapping of
@@ -39,6 +47,7 @@ mod pin_table;
 mod region;
 mod residency;
 mod rw;
+mod sigbus;
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};

@@ -120,7 +120,15 @@ impl DmaSpace {
                             limit,
                         });
                     }
-                    residency::lock(addr, n, syscalls)?;
+                    if let Err(e) = residency::lock(addr, n, syscalls) {
+                        // mlock may have locked part of the run before failing: unlock the
+                        // pages no pin holds locked, so the kernel's view matches ours.
+                        let host = region.host;
+                        region.pins.unlocked_subranges(lo, hi, &mut |a, b| {
+                            residency::unlock(host + (a << PAGE_SHIFT), b - a, syscalls)
+                        });
+                        return Err(e);
+                    }
                 }
                 PinPolicy::Populate => residency::populate(addr, n, prot.write, syscalls)?,
             }

@@ -305,6 +305,27 @@ impl PinTable {
         rel
     }
 
+    /// Call `f(first, end)` for each maximal sub-range of `[lo, hi)` whose pages are not
+    /// [`LOCKED`] (used to undo a partially failed mlock without unlocking pages that other
+    /// pins hold locked).
+    pub(crate) fn unlocked_subranges(&self, lo: u64, hi: u64, f: &mut dyn FnMut(u64, u64)) {
+        let mut start: Option<u64> = None;
+        for page in lo..hi {
+            let unlocked = self.get(page) & LOCKED == 0;
+            match (unlocked, start) {
+                (true, None) => start = Some(page),
+                (false, Some(st)) => {
+                    f(st, page);
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(st) = start {
+            f(st, hi);
+        }
+    }
+
     /// Zero the count of every pinned page (leaving flags for [`PinTable::release_zeroed`])
     /// and return the number of pages that were pinned. Used by a forced release at unmap.
     pub(crate) fn zero_all_counts(&self) -> u64 {
@@ -401,6 +422,16 @@ mod tests {
         t.commit_pin(0, 4, false, false);
         assert_eq!(t.decrement(2, CHUNK_PAGES as u64 + 1), Err(4));
         assert_eq!(t.get(2) & COUNT_MASK, 1);
+    }
+
+    #[test]
+    fn test_unlocked_subranges_skip_locked_pages() {
+        let t = PinTable::new(64);
+        t.commit_pin(3, 5, true, false);
+        t.commit_pin(7, 8, true, false);
+        let mut got = Vec::new();
+        t.unlocked_subranges(0, 10, &mut |a, b| got.push((a, b)));
+        assert_eq!(got, vec![(0, 3), (5, 7), (8, 10)]);
     }
 
     #[test]

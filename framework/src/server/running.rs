@@ -217,8 +217,7 @@ fn accept_loop(
                 waited += Duration::from_millis(2);
             }
             if !thread.is_finished() && !closed(&chan) {
-                warn!("refusing a second client: one client is already connected");
-                drop(stream);
+                super::refuse::refuse_busy(stream);
                 current = Some((chan, thread));
                 continue;
             }
