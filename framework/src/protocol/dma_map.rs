@@ -129,6 +129,8 @@ fn check_range(what: &'static str, iova: u64, size: u64, pgsize: u64) -> Result<
 pub struct DmaUnmapRequest {
     /// argsz as sent.
     pub argsz: u32,
+    /// FLAG_ALL: remove every mapping (iova and size are 0).
+    pub all: bool,
     /// IOVA of the mapping.
     pub iova: u64,
     /// Size of the mapping.
@@ -179,7 +181,12 @@ impl DmaUnmapRequest {
                     format!("FLAG_ALL with iova {iova:#x} size {size:#x}; both must be 0"),
                 ));
             }
-            return Ok(DmaUnmapRequest { argsz, iova, size });
+            return Ok(DmaUnmapRequest {
+                argsz,
+                all: true,
+                iova,
+                size,
+            });
         }
         if flags != 0 {
             return Err(ProtocolError::Unsupported(
@@ -187,12 +194,17 @@ impl DmaUnmapRequest {
             ));
         }
         check_range("DMA_UNMAP", iova, size, pgsize)?;
-        Ok(DmaUnmapRequest { argsz, iova, size })
+        Ok(DmaUnmapRequest {
+            argsz,
+            all: false,
+            iova,
+            size,
+        })
     }
 
-    /// True for FLAG_ALL (remove every mapping): the only valid request with size 0.
+    /// True for FLAG_ALL (remove every mapping).
     pub fn is_all(&self) -> bool {
-        self.size == 0
+        self.all
     }
 
     /// The reply payload: the request's entry, echoed.
