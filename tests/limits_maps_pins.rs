@@ -118,8 +118,6 @@ fn test_limits_dma_config_max_maps_enospc_then_unmap_frees_slot() {
 }
 
 #[test]
-#[ignore = "server bug: the negotiated max_dma_maps is advertised but never applied to the \
-            DmaSpace (connection.rs should call dma.set_max_dma_maps); see the hguest report"]
 fn test_limits_server_config_max_maps_is_enforced() {
     let _serial = serial();
     // Only the server's configuration says 256: the value it advertises in VERSION must be

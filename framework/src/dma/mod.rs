@@ -375,6 +375,11 @@ impl DmaSpace {
         self.max_dma_maps.store(max, Relaxed);
     }
 
+    /// The current limit on simultaneous mappings.
+    pub fn max_dma_maps(&self) -> u32 {
+        self.max_dma_maps.load(Relaxed)
+    }
+
     /// Verify the accounting by a full scan (for tests and debugging; O(pinned chunks)):
     /// per-region and global pinned/locked counters equal the flags in the pin tables, and
     /// under `Lock` locked pages equal pinned pages.

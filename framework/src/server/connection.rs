@@ -244,6 +244,7 @@ impl Connection {
                 });
         self.dma
             .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
+        self.dma.set_max_dma_maps(n.max_dma_maps);
         self.negotiated = true;
         info!(
             client_minor = v.minor,
