@@ -440,7 +440,8 @@ impl DmaHandle {
     /// Pin the pages `iova_pfns` (arbitrary order, duplicates allowed) with `prot`; write the
     /// host address of each page into `host_addrs[i]`. All-or-nothing: on error nothing
     /// pinned by the call stays pinned and the accounting is as before (pages pinned
-    /// writable may stay marked dirty). See the module docs for what a host address allows.
+    /// writable may stay marked dirty; `host_addrs` may be partly written). See the module
+    /// docs for what a host address allows.
     pub fn pin_pages(
         &self,
         iova_pfns: &[u64],
