@@ -2,7 +2,10 @@
 //! DMA_LOGGING_START), set with atomic OR by writers and read-and-cleared with atomic AND by
 //! DMA_LOGGING_REPORT, so no bit set concurrently with a report is lost.
 
-use std::sync::atomic::{AtomicU64, Ordering::AcqRel};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{AcqRel, Acquire},
+};
 
 /// The bitmap of one region.
 pub(crate) struct DirtyBitmap {
@@ -49,6 +52,15 @@ impl DirtyBitmap {
             }
             page += n;
         }
+    }
+
+    /// Whether global page `t` is dirty (without clearing it).
+    pub(crate) fn peek(&self, t: u64) -> bool {
+        if t < self.base || t >= self.base + self.npages {
+            return false;
+        }
+        let page = t - self.base;
+        self.words[(page / 64) as usize].load(Acquire) & (1 << (page % 64)) != 0
     }
 
     /// Read and clear the bits of global pages `[lo, hi)` (clamped to this bitmap), calling

@@ -294,7 +294,8 @@ impl DmaSpace {
         self.unmap_impl(iova, size, notify)
     }
 
-    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`.
+    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`; also
+    /// stops dirty logging (client state), so the next client can start it afresh.
     pub fn unmap_all(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
         self.unmap_all_impl(notify)
     }
@@ -316,8 +317,9 @@ impl DmaSpace {
     }
 
     /// DMA_LOGGING_REPORT: fill `bitmap` (1 bit per `pgsize` page of `[iova, iova+size)`,
-    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` must be
-    /// a power-of-two multiple of the logging page size; iova and size aligned to it.
+    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` is a
+    /// power of two ≥ 4096, possibly different from the logging page size (bits are OR-ed or
+    /// replicated); iova and size must be aligned to it.
     pub fn dirty_report(
         &self,
         iova: u64,
