@@ -1,7 +1,8 @@
 //! DEVICE_FEATURE DMA_LOGGING_START / STOP / REPORT on a [`DmaSpace`].
 //!
-//! START gives every mapping (and every later one, while logging is on) a clean
-//! [`DirtyBitmap`] at the requested page size. The requested ranges are validated but the
+//! START gives every fd-backed mapping (and every later one, while logging is on) a clean
+//! [`DirtyBitmap`] at the requested page size. fd-less mappings are not logged: the client
+//! performs DMA_WRITEs to them itself and sees them in its own dirty tracking. The requested ranges are validated but the
 //! whole space is tracked (a superset is always correct). A page is dirty when `dma_rw`
 //! wrote it, when it was pinned writable, or — at REPORT time — while it is still pinned
 //! writable (the device may write it at any moment, as the kernel's type1 reports every
@@ -41,9 +42,14 @@ impl DmaSpace {
             return Err(DmaError::Busy("dirty logging is already started"));
         }
         let shift = pgsize.trailing_zeros();
-        for r in self.table.load().iter() {
-            r.dirty
-                .store(Some(Arc::new(DirtyBitmap::new(r.iova, r.end, shift))));
+        // Build every bitmap first (allocation may fail), then install them.
+        let table = self.table.load();
+        let mut bitmaps = Vec::new();
+        for r in table.iter().filter(|r| !r.is_fdless()) {
+            bitmaps.push((r, Arc::new(DirtyBitmap::new(r.iova, r.end, shift)?)));
+        }
+        for (r, b) in bitmaps {
+            r.dirty.store(Some(b));
         }
         self.dirty_shift.store(shift, Relaxed);
         self.dirty_active.store(true, Release);

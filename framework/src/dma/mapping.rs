@@ -48,11 +48,10 @@ impl DmaSpace {
             None => None,
         };
         let region = Arc::new(Region::new(iova, size, prot, mem));
-        if self.dirty_active.load(Acquire) {
+        if self.dirty_active.load(Acquire) && !region.is_fdless() {
             let shift = self.dirty_shift.load(Relaxed);
-            region
-                .dirty
-                .store(Some(Arc::new(DirtyBitmap::new(iova, end, shift))));
+            let bitmap = DirtyBitmap::new(iova, end, shift)?;
+            region.dirty.store(Some(Arc::new(bitmap)));
         }
         let new = table.with_inserted(region)?;
         self.table.store(Arc::new(new));
