@@ -180,3 +180,173 @@ fn test_bench_pin_bad_trace_fails_with_line_number() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+fn assert_pair_rows(v: &Value, groups: usize, per_group: usize) {
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), groups * per_group, "{v}");
+    for r in rows {
+        for side in ["a", "b"] {
+            let s = r[side]["samples_ns"].as_array().expect("samples");
+            assert!(!s.is_empty(), "{r}");
+            assert!(s
+                .iter()
+                .all(|x| x.as_f64().is_some_and(|x| x.is_finite() && x > 0.0)));
+        }
+        assert!(r["ratio_a_over_b"].as_f64().is_some_and(|x| x > 0.0));
+    }
+    assert!(v["unavailable"].as_array().is_some_and(|u| u.is_empty()));
+}
+
+#[test]
+fn test_bench_dma_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("dma.json");
+    let out = umdev(&[
+        "bench",
+        "dma",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--sizes",
+        "8,4096",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "dma");
+    // 5 comparisons (read, write, lookup, fd-less read, fd-less write) × 2 sizes.
+    assert_pair_rows(&v, 5, 2);
+}
+
+#[test]
+fn test_bench_wire_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("wire.json");
+    let out = umdev(&[
+        "bench",
+        "wire",
+        "--quick",
+        "--quiet",
+        "--samples",
+        "3",
+        "--map-sizes",
+        "4096,1073741824",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["bench"], "wire");
+    // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
+    assert_pair_rows(&v, 1, 5);
+}
+
+#[test]
+fn test_bench_record_both_devices_write_replayable_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    for (device, min_arrays) in [("gpu", 4), ("ccw", 4)] {
+        let trace = dir.path().join(format!("{device}.jsonl"));
+        let out = umdev(&[
+            "bench",
+            "record",
+            device,
+            "--steps",
+            "4",
+            "--out",
+            trace.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&trace).unwrap();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("trace line is JSON"))
+            .collect();
+        assert!(
+            lines.len() >= min_arrays,
+            "{device}: {} arrays",
+            lines.len()
+        );
+        assert!(lines
+            .iter()
+            .all(|l| l["pfns"].as_array().is_some_and(|a| !a.is_empty())));
+        let json = dir.path().join(format!("{device}.json"));
+        let out = umdev(&[
+            "bench",
+            "pin",
+            "--quick",
+            "--quiet",
+            "--traces-only",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--backings",
+            "4k",
+            "--policies",
+            "translate",
+            "--samples",
+            "2",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = read_json(&json);
+        let cells = v["cells"].as_array().unwrap();
+        assert!(!cells.is_empty());
+        assert!(cells
+            .iter()
+            .all(|c| c["pattern"] == format!("trace:{device}") && c["error"].is_null()));
+    }
+}
+
+#[test]
+fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("aa.json");
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--quiet",
+        "--self-check",
+        "--sizes",
+        "64",
+        "--patterns",
+        "contiguous",
+        "--backings",
+        "4k",
+        "--policies",
+        "lock",
+        "--samples",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["config"]["self_check"], true);
+    let cell = &v["cells"][0];
+    // Both sides took the coalesced path: one mlock + one munlock per array.
+    assert_eq!(cell["coalesced"]["syscalls_per_array"].as_f64(), Some(2.0));
+    assert_eq!(cell["per_page"]["syscalls_per_array"].as_f64(), Some(2.0));
+}

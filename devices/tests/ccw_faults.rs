@@ -376,3 +376,94 @@ fn test_ccw_cd_on_sense_is_invalid_flags() {
     );
     assert_eq!(st.fault(), Some(Fault::InvalidFlags));
 }
+
+mod random_programs {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Addresses a random CCW may point at: data pages, the IDAW area, the program area,
+    /// the read-only window, a hole, misaligned and wrapping values.
+    fn addr() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            (0u64..64).prop_map(|i| DATA + i * 0x800),
+            (0u64..8).prop_map(|i| IDAWS + i * 8),
+            (0u64..16).prop_map(|i| PROGRAM + i * 16),
+            (0u64..16).prop_map(|i| ROM + i * 0x400),
+            Just(HOLE),
+            any::<u64>(),
+        ]
+    }
+
+    fn word() -> impl Strategy<Value = CcwWord> {
+        (
+            prop_oneof![
+                Just(cmd::READ),
+                Just(cmd::WRITE),
+                Just(cmd::NOP),
+                Just(cmd::SENSE),
+                Just(cmd::TIC),
+                any::<u8>()
+            ],
+            prop_oneof![
+                Just(0u8),
+                Just(flags::CC),
+                Just(flags::CD),
+                Just(flags::IDA | flags::CC),
+                Just(flags::IDA),
+                any::<u8>()
+            ],
+            prop_oneof![1u16..600, Just(0u16), any::<u16>()],
+            prop_oneof![Just(0u32), 1u32..4, any::<u32>()],
+            addr(),
+        )
+            .prop_map(|(cmd, flags, count, idaw_count, addr)| CcwWord {
+                cmd,
+                flags,
+                count,
+                idaw_count,
+                addr,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Random programs and IDAW lists always end in a stored status with a documented
+        /// fault code; the device never hangs and never keeps a pin.
+        #[test]
+        fn test_ccw_random_programs_end_with_documented_status_and_no_pins(
+            words in prop::collection::vec(word(), 1..16),
+            idaws in prop::collection::vec(addr(), 0..8),
+            block in prop_oneof![0u64..64, Just(CAPACITY_BLOCKS - 1), any::<u64>()],
+        ) {
+            let mut rig = Rig::new();
+            rig.guest_write(IDAWS, &driver::encode_idaws(&idaws));
+            let st = rig.run(&words, block);
+            let fault = st.fault();
+            prop_assert!(fault.is_some(), "unknown fault code {}", st.fault);
+            let (d, c) = fault.unwrap().status();
+            prop_assert_eq!((st.device_status, st.channel_status), (d, c));
+            rig.assert_no_pins();
+        }
+    }
+}
+
+/// A data page in a DMA mapping without a file descriptor cannot be pinned: the program
+/// ends with DataAddressInvalid (program check) and moves nothing.
+#[test]
+fn test_ccw_data_in_fdless_mapping_program_check() {
+    let mut rig = Rig::new();
+    rig.space
+        .map(umdev::dma::DmaMapping {
+            iova: HOLE,
+            size: 0x10000,
+            prot: umdev::dma::Prot::RW,
+            fd: None,
+            offset: 0,
+        })
+        .unwrap();
+    let st = rig.run(&[CcwWord::read(512, HOLE + 0x1000)], 0);
+    assert_eq!(st.fault(), Some(Fault::DataAddressInvalid), "{st:?}");
+    assert_eq!(st.channel_status, cstat::PROGRAM_CHECK);
+    assert_eq!(st.transferred, 0);
+    rig.assert_no_pins();
+}

@@ -7,7 +7,7 @@ mod ccw_support;
 use std::time::Duration;
 
 use ccw_support::*;
-use umdev::device::{region_index, Device};
+use umdev::device::{irq_index, region_index, Device, IrqAction, IrqData, SetIrqs};
 use umdev::dma::PinPolicy;
 use umdev_devices::ccw::driver::{
     self, cstat, dstat, opb_flags, regs, sense, CcwWord, Fault, OperationBlock,
@@ -450,5 +450,76 @@ fn test_ccw_pci_identity_in_config_space() {
     assert_eq!(
         u64::from(rig.reg(regs::CAPACITY_LO)) | u64::from(rig.reg(regs::CAPACITY_HI)) << 32,
         CAPACITY_BLOCKS
+    );
+}
+
+/// Start a NOP program and wait (by polling COMPLETED) until it finished, without
+/// relying on the interrupt.
+fn run_polled(rig: &mut Rig) {
+    let before = rig.reg(regs::COMPLETED);
+    rig.guest_write(PROGRAM, &driver::encode_program(&[CcwWord::nop()]));
+    rig.guest_write(
+        OPB,
+        &OperationBlock {
+            program: PROGRAM,
+            block: 0,
+            status: STATUS,
+            flags: 0,
+            reserved: 0,
+        }
+        .to_bytes(),
+    );
+    rig.set_reg(regs::OPB_ADDR_LO, OPB as u32);
+    rig.set_reg(regs::START, 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while rig.reg(regs::COMPLETED) == before || rig.reg(regs::STATUS) & regs::STATUS_BUSY != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "program did not finish"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn unmask_intx(rig: &mut Rig) {
+    rig.dev
+        .set_irqs(SetIrqs {
+            index: irq_index::INTX,
+            start: 0,
+            count: 1,
+            action: IrqAction::Unmask,
+            data: IrqData::None,
+        })
+        .unwrap();
+}
+
+/// INTx is a level: a completion while the line is masked fires at unmask if still
+/// unacknowledged, and is forgotten if the guest acknowledged IRQ_STATUS first.
+#[test]
+fn test_ccw_intx_masked_completion_fires_on_unmask_unless_acked() {
+    let mut rig = Rig::with(RigOptions {
+        intx: true,
+        ..RigOptions::default()
+    });
+    assert!(rig.run(&[CcwWord::nop()], 0).is_ok()); // fires, INTx now auto-masked
+    run_polled(&mut rig); // completes while masked
+    assert!(!rig.wait_irq(Duration::from_millis(20)));
+    unmask_intx(&mut rig);
+    assert!(
+        rig.wait_irq(Duration::from_secs(1)),
+        "pending level fires on unmask"
+    );
+    rig.set_reg(regs::IRQ_STATUS, regs::IRQ_ALL);
+
+    run_polled(&mut rig); // completes while masked again
+    rig.set_reg(regs::IRQ_STATUS, regs::IRQ_ALL); // guest handles it by polling
+    unmask_intx(&mut rig);
+    assert!(
+        !rig.wait_irq(Duration::from_millis(50)),
+        "an acknowledged completion must not fire"
+    );
+    assert!(
+        rig.run(&[CcwWord::nop()], 0).is_ok(),
+        "next completion fires"
     );
 }

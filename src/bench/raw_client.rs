@@ -1,14 +1,23 @@
-//! A minimal hand-written vfio-user client for what `vfio_user::Client` cannot send:
-//! posted (no-reply) REGION_WRITE messages. It speaks only VERSION, REGION_READ and
-//! REGION_WRITE, straight from the spec (docs/interop/vfio-user.rst in QEMU), independently
-//! of umdev's own protocol module.
+//! A minimal hand-written vfio-user client for what `vfio_user::Client` cannot do: posted
+//! (no-reply) REGION_WRITE messages, and fd-less DMA regions whose DMA_READ/DMA_WRITE
+//! requests from the server it answers. It speaks only VERSION, REGION_READ/WRITE, DMA_MAP
+//! and DMA_READ/WRITE, straight from the spec (docs/interop/vfio-user.rst in QEMU),
+//! independently of umdev's own protocol module.
 
 use std::io::{self, Read, Write};
+use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::thread::JoinHandle;
 
 /// VFIO_USER_VERSION.
 const CMD_VERSION: u16 = 1;
+/// VFIO_USER_DMA_MAP.
+const CMD_DMA_MAP: u16 = 2;
+/// VFIO_USER_DMA_READ (server → client).
+const CMD_DMA_READ: u16 = 11;
+/// VFIO_USER_DMA_WRITE (server → client).
+const CMD_DMA_WRITE: u16 = 12;
 /// VFIO_USER_REGION_READ.
 const CMD_REGION_READ: u16 = 9;
 /// VFIO_USER_REGION_WRITE.
@@ -135,6 +144,109 @@ impl RawClient {
         }
         data.copy_from_slice(body);
         Ok(())
+    }
+}
+
+impl RawClient {
+    /// DMA_MAP of an fd-less region `[iova, iova + size)`, read/write.
+    pub fn dma_map_fdless(&mut self, iova: u64, size: u64) -> io::Result<()> {
+        let id = self.id();
+        let mut msg = Vec::with_capacity(HEADER + 32);
+        msg.extend_from_slice(&header(id, CMD_DMA_MAP, HEADER + 32, 0)?);
+        msg.extend_from_slice(&32u32.to_le_bytes()); // argsz
+        msg.extend_from_slice(&3u32.to_le_bytes()); // READ | WRITE
+        msg.extend_from_slice(&0u64.to_le_bytes()); // offset
+        msg.extend_from_slice(&iova.to_le_bytes());
+        msg.extend_from_slice(&size.to_le_bytes());
+        self.stream.write_all(&msg)?;
+        self.read_reply(CMD_DMA_MAP).map(drop)
+    }
+
+    /// Hand the connection to a thread that answers the server's DMA_READ/DMA_WRITE on
+    /// `[iova, iova + size)` from local memory, until [`DmaServer::stop`].
+    pub fn serve_dma(self, iova: u64, size: usize) -> io::Result<DmaServer> {
+        let control = self.stream.try_clone()?;
+        let mut stream = self.stream;
+        let thread = std::thread::spawn(move || -> io::Result<u64> {
+            let mut mem = vec![0u8; size];
+            let mut served = 0u64;
+            loop {
+                let mut h = [0u8; HEADER];
+                match stream.read_exact(&mut h) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(served),
+                    Err(e) => return Err(e),
+                }
+                let id = u16::from_le_bytes([h[0], h[1]]);
+                let cmd = u16::from_le_bytes([h[2], h[3]]);
+                let msg_size = u32::from_le_bytes([h[4], h[5], h[6], h[7]]) as usize;
+                if !(HEADER..=MAX_REPLY + 64).contains(&msg_size) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "bad message size",
+                    ));
+                }
+                let mut payload = vec![0u8; msg_size - HEADER];
+                stream.read_exact(&mut payload)?;
+                if payload.len() < 16 || !matches!(cmd, CMD_DMA_READ | CMD_DMA_WRITE) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("unexpected message {cmd}"),
+                    ));
+                }
+                let addr = u64::from_le_bytes(payload[0..8].try_into().unwrap_or_default());
+                let count = u64::from_le_bytes(payload[8..16].try_into().unwrap_or_default());
+                let start = addr
+                    .checked_sub(iova)
+                    .and_then(|o| usize::try_from(o).ok())
+                    .filter(|&o| o.checked_add(count as usize).is_some_and(|e| e <= size));
+                let Some(start) = start else {
+                    let mut reply = header(id, cmd, HEADER, FLAG_REPLY | FLAG_ERROR)?;
+                    reply[12..16].copy_from_slice(&(libc::EFAULT as u32).to_le_bytes());
+                    stream.write_all(&reply)?;
+                    continue;
+                };
+                let end = start + count as usize;
+                let mut reply = Vec::with_capacity(HEADER + 16 + count as usize);
+                if cmd == CMD_DMA_READ {
+                    reply.extend_from_slice(&header(
+                        id,
+                        cmd,
+                        HEADER + 16 + count as usize,
+                        FLAG_REPLY,
+                    )?);
+                    reply.extend_from_slice(&payload[0..16]);
+                    reply.extend_from_slice(&mem[start..end]);
+                } else {
+                    let data = &payload[16..];
+                    if data.len() != count as usize {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "DMA_WRITE size"));
+                    }
+                    mem[start..end].copy_from_slice(data);
+                    reply.extend_from_slice(&header(id, cmd, HEADER + 16, FLAG_REPLY)?);
+                    reply.extend_from_slice(&payload[0..16]);
+                }
+                stream.write_all(&reply)?;
+                served += 1;
+            }
+        });
+        Ok(DmaServer { control, thread })
+    }
+}
+
+/// A thread answering DMA_READ/DMA_WRITE for an fd-less region.
+pub struct DmaServer {
+    control: UnixStream,
+    thread: JoinHandle<io::Result<u64>>,
+}
+
+impl DmaServer {
+    /// Close the connection and return how many requests were served.
+    pub fn stop(self) -> io::Result<u64> {
+        let _ = self.control.shutdown(Shutdown::Both);
+        self.thread
+            .join()
+            .map_err(|_| io::Error::other("DMA serving thread panicked"))?
     }
 }
 

@@ -68,6 +68,9 @@ pub struct PinCell {
     pub per_page: Option<VariantResult>,
     /// Median per-page ns / median coalesced ns (> 1: coalescing is faster).
     pub ratio: Option<f64>,
+    /// Per-page / coalesced of each pair of samples taken back to back (sample i of both
+    /// variants): its spread says how sure the ratio is on this machine.
+    pub ratio_paired: Option<Summary>,
     /// Why the cell has no result.
     pub error: Option<String>,
 }
@@ -117,6 +120,8 @@ pub struct PinConfig {
     pub seed: u64,
     /// `--quick`.
     pub quick: bool,
+    /// `--self-check`: both sides ran the coalesced path.
+    pub self_check: bool,
     /// IOVA of the bench region.
     pub region_iova: u64,
     /// Size of the bench region in bytes.
@@ -150,6 +155,18 @@ pub fn write_json(path: &Path, report: &impl serde::Serialize) -> std::io::Resul
     serde_json::to_writer_pretty(&mut f, report).map_err(std::io::Error::other)?;
     writeln!(f)?;
     f.flush()
+}
+
+/// Summary of the ratios per-page / coalesced of samples taken back to back.
+pub fn paired_ratio(coalesced: &VariantResult, per_page: &VariantResult) -> Summary {
+    let ratios: Vec<f64> = coalesced
+        .samples_ns_per_page
+        .iter()
+        .zip(&per_page.samples_ns_per_page)
+        .filter(|(a, _)| **a > 0.0)
+        .map(|(a, b)| b / a)
+        .collect();
+    summarize(&ratios)
 }
 
 fn spread(s: &Summary) -> String {
@@ -186,6 +203,7 @@ pub fn pin_table(report: &PinReport) -> String {
             ">per-page",
             ">p10–p90",
             ">ratio",
+            ">paired IQR",
             ">syscalls/array",
         ]);
         for c in report
@@ -198,16 +216,23 @@ pub fn pin_table(report: &PinReport) -> String {
             } else {
                 format!("{:.1}", c.runs_per_array)
             };
+            let size = if c.pattern.starts_with("trace:") {
+                format!("≤{} ({:.1})", c.size, c.pages_per_array)
+            } else {
+                c.size.to_string()
+            };
             match (&c.coalesced, &c.per_page, &c.error) {
                 (Some(a), Some(b), None) => t.row(vec![
                     c.pattern.clone(),
-                    c.size.to_string(),
+                    size,
                     runs,
                     fmt_ns(a.ns_per_page.median),
                     spread(&a.ns_per_page),
                     fmt_ns(b.ns_per_page.median),
                     spread(&b.ns_per_page),
                     c.ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+                    c.ratio_paired
+                        .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p25, r.p75)),
                     format!(
                         "{} / {}",
                         fmt_sys(a.syscalls_per_array),
@@ -216,7 +241,7 @@ pub fn pin_table(report: &PinReport) -> String {
                 ]),
                 (_, _, err) => t.row(vec![
                     c.pattern.clone(),
-                    c.size.to_string(),
+                    size,
                     runs,
                     format!("error: {}", err.as_deref().unwrap_or("no result")),
                 ]),
@@ -227,6 +252,10 @@ pub fn pin_table(report: &PinReport) -> String {
     for b in report.backings.iter().filter(|b| !b.measured) {
         out.push_str(&format!("\nskipped {}: {}\n", b.backing, b.note));
     }
+    out.push_str(
+        "\nratio = per-page / coalesced (> 1: coalescing is faster); paired IQR = p25–p75 \
+         of the ratio over back-to-back sample pairs; syscalls = coalesced / per-page per array\n",
+    );
     out
 }
 
@@ -345,8 +374,9 @@ pub fn fmt_bytes(v: u64) -> String {
     format!("{x} {}", UNITS[unit])
 }
 
-/// The terminal table of a pair report: one block per group.
-pub fn pair_table(report: &PairReport) -> String {
+/// The terminal table of a pair report: one block per group; `throughput` adds a GB/s
+/// column (bytes per operation / time), meaningful for copies only.
+pub fn pair_table(report: &PairReport, throughput: bool) -> String {
     let mut out = String::new();
     let groups = {
         let mut g: Vec<&str> = Vec::new();
@@ -363,15 +393,12 @@ pub fn pair_table(report: &PairReport) -> String {
         out.push_str(&format!(
             "\n{group}: ns per operation, median and p10–p90\n"
         ));
-        let mut t = Table::new(&[
-            ">size",
-            &format!(">{an}"),
-            ">p10–p90",
-            &format!(">{bn}"),
-            ">p10–p90",
-            ">ratio",
-            ">GB/s",
-        ]);
+        let (ah, bh) = (format!(">{an}"), format!(">{bn}"));
+        let mut headers = vec![">size", &ah, ">p10–p90", &bh, ">p10–p90", ">ratio"];
+        if throughput {
+            headers.push(">GB/s");
+        }
+        let mut t = Table::new(&headers);
         for r in rows {
             let gbs = if r.a.ns.median > 0.0 && r.size_bytes > 0 {
                 format!(
@@ -382,15 +409,18 @@ pub fn pair_table(report: &PairReport) -> String {
             } else {
                 "-".into()
             };
-            t.row(vec![
+            let mut row = vec![
                 fmt_bytes(r.size_bytes),
                 fmt_ns(r.a.ns.median),
                 spread(&r.a.ns),
                 fmt_ns(r.b.ns.median),
                 spread(&r.b.ns),
                 format!("{:.2}×", r.ratio_a_over_b),
-                gbs,
-            ]);
+            ];
+            if throughput {
+                row.push(gbs);
+            }
+            t.row(row);
         }
         out.push_str(&t.render());
     }

@@ -20,6 +20,22 @@ pub struct SamplePlan {
     pub sample_target: Duration,
     /// Cap on iterations per sample.
     pub max_iters: u64,
+    /// Time budget for the kept samples of one comparison: slow comparisons keep fewer
+    /// samples (never fewer than `min_samples`). `None`: always `samples`.
+    #[serde(serialize_with = "ser_opt_duration_ms")]
+    pub cell_budget: Option<Duration>,
+    /// Fewest samples kept when the budget is tight.
+    pub min_samples: usize,
+}
+
+fn ser_opt_duration_ms<S: serde::Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_f64(d.as_secs_f64() * 1e3),
+        None => s.serialize_none(),
+    }
 }
 
 fn ser_duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -46,6 +62,19 @@ fn iters_for(per_iter: Duration, plan: &SamplePlan) -> u64 {
     (want as u64).clamp(1, plan.max_iters.max(1))
 }
 
+/// Samples to keep when one A+B pair of samples takes `pair`.
+fn samples_within_budget(plan: &SamplePlan, pair: Duration) -> usize {
+    let samples = plan.samples.max(1);
+    match plan.cell_budget {
+        None => samples,
+        Some(budget) => {
+            let fit = budget.as_nanos() / pair.as_nanos().max(1);
+            let fit = usize::try_from(fit).unwrap_or(usize::MAX);
+            samples.min(fit.max(plan.min_samples.max(1)))
+        }
+    }
+}
+
 /// Sample `a` and `b` interleaved under `plan`; `counter` is read before and after every
 /// sample (outside the timed section). Returns the samples of `a` and of `b`.
 pub fn interleaved<E>(
@@ -69,14 +98,16 @@ pub fn interleaved<E>(
             spent[side] += t.elapsed();
             done[side] += 1;
         }
-        if start.elapsed() >= plan.warmup && done[0] >= 2 {
+        if start.elapsed() >= plan.warmup {
             break;
         }
     }
-    let iters = [
-        iters_for(spent[0] / done[0] as u32, plan),
-        iters_for(spent[1] / done[1] as u32, plan),
-    ];
+    let per_iter = [spent[0] / done[0] as u32, spent[1] / done[1] as u32];
+    let iters = [iters_for(per_iter[0], plan), iters_for(per_iter[1], plan)];
+    let samples = samples_within_budget(
+        plan,
+        per_iter[0] * iters[0] as u32 + per_iter[1] * iters[1] as u32,
+    );
     let mut out = [
         VariantSamples {
             iters_per_sample: iters[0],
@@ -87,7 +118,7 @@ pub fn interleaved<E>(
             ..Default::default()
         },
     ];
-    for s in 0..plan.samples {
+    for s in 0..samples {
         let order = if s % 2 == 0 { [0usize, 1] } else { [1, 0] };
         for side in order {
             let c0 = counter();
@@ -124,7 +155,22 @@ mod tests {
             samples: 4,
             sample_target: Duration::from_micros(200),
             max_iters: 1000,
+            cell_budget: None,
+            min_samples: 1,
         }
+    }
+
+    #[test]
+    fn test_samples_within_budget_slow_pairs_keep_fewer() {
+        let mut p = plan();
+        p.samples = 40;
+        p.cell_budget = Some(Duration::from_millis(100));
+        p.min_samples = 5;
+        assert_eq!(samples_within_budget(&p, Duration::from_micros(10)), 40);
+        assert_eq!(samples_within_budget(&p, Duration::from_millis(10)), 10);
+        assert_eq!(samples_within_budget(&p, Duration::from_secs(1)), 5);
+        p.cell_budget = None;
+        assert_eq!(samples_within_budget(&p, Duration::from_secs(1)), 40);
     }
 
     #[test]

@@ -95,7 +95,6 @@ pub fn write_entry(out: &mut dyn Write, pfns: &[u64], prot: Prot) -> io::Result<
 /// A pin recorder writing every pin call to `path` (created or truncated), one line per
 /// call, flushed per line so a killed server leaves a complete file. Install it with
 /// `DmaSpace::set_pin_recorder(Some(..))`. A write error is logged once and recording stops.
-#[cfg_attr(not(test), allow(dead_code))] // called by `umdev run --record-pins` (src/run.rs)
 pub fn trace_recorder(path: &Path) -> io::Result<PinRecorder> {
     let file = File::create(path)?;
     let state = Mutex::new((LineWriter::new(file), false));

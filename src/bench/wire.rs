@@ -21,9 +21,11 @@ use super::report::{
     fmt_bytes, pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
-use super::trivial_device::{vfio_user_regions, VfioUserTrivial};
+use super::trivial_device::{vfio_user_regions, UmdevTrivial, VfioUserTrivial};
 use super::OutputArgs;
 use crate::CliResult;
+use umdev::dma::{DmaConfig, DmaSpace};
+use umdev::server::{RunningServer, Server, ServerConfig};
 
 /// IOVA of the DMA_MAP rows.
 pub const MAP_IOVA: u64 = 1 << 40;
@@ -39,7 +41,7 @@ pub struct WireArgs {
     /// Fast run: fewer and shorter samples.
     #[arg(long)]
     pub quick: bool,
-    /// Samples kept per side [default: 15, quick 5].
+    /// Samples kept per side [default: 31, quick 15].
     #[arg(long)]
     pub samples: Option<usize>,
     /// Output options.
@@ -50,17 +52,26 @@ pub struct WireArgs {
 type BoxError = Box<dyn std::error::Error>;
 
 /// The umdev side: a umdev server serving the trivial device on a socket.
-struct UmdevSide;
+struct UmdevSide(RunningServer);
 
-/// Start umdev's server on `path`.
-fn spawn_umdev(_path: &Path) -> Result<UmdevSide, BoxError> {
-    Err("umdev bench wire needs the server engine (umdev::server), \
-         which has not landed in this build"
-        .into())
+/// Start umdev's server on `path` (DMA layer with its default Translate policy).
+fn spawn_umdev(path: &Path) -> Result<UmdevSide, BoxError> {
+    let space = DmaSpace::new(DmaConfig::default());
+    let running = Server::new(
+        ServerConfig::new(path),
+        Box::new(UmdevTrivial::default()),
+        space,
+    )
+    .spawn()?;
+    Ok(UmdevSide(running))
 }
 
 impl UmdevSide {
-    fn stop(self) {}
+    fn stop(self) {
+        if let Err(e) = self.0.shutdown() {
+            tracing::warn!(error = %e, "umdev server shutdown");
+        }
+    }
 }
 
 /// The `vfio_user::Server` side, serving `connections` connections one after the other.
@@ -78,12 +89,18 @@ fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>, Bo
 }
 
 fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
-    let (n, target, warm) = if quick { (5, 2, 5) } else { (15, 10, 20) };
+    let (n, target_ms, warm_ms) = if quick {
+        (15, 0.5, 5.0)
+    } else {
+        (31, 2.0, 20.0)
+    };
     SamplePlan {
-        warmup: Duration::from_millis(warm),
+        warmup: Duration::from_secs_f64(warm_ms / 1e3),
         samples: samples.unwrap_or(n).clamp(1, 10_000),
-        sample_target: Duration::from_millis(target),
+        sample_target: Duration::from_secs_f64(target_ms / 1e3),
         max_iters: 1_000_000,
+        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
+        min_samples: 5,
     }
 }
 
@@ -228,7 +245,7 @@ pub fn run(args: WireArgs) -> CliResult {
     if !args.out.quiet {
         println!("umdev bench wire — {}", report.machine.summary());
     }
-    print!("{}", pair_table(&report));
+    print!("{}", pair_table(&report, false));
     if let Some(path) = &args.out.json {
         write_json(path, &report)?;
         println!("JSON: {}", path.display());

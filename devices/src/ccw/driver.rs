@@ -18,11 +18,12 @@
 //! ```
 
 pub use super::format::{
-    cmd, cstat, dstat, flags, opb_flags, sense, CcwWord, Fault, OperationBlock, StatusBlock,
-    BLOCK_SIZE, CCW_SIZE, IDAW_PAGE_SIZE, OPB_SIZE, SENSE_SIZE, STATUS_BLOCK_SIZE,
+    cmd, flags, opb_flags, CcwWord, OperationBlock, BLOCK_SIZE, CCW_SIZE, IDAW_PAGE_SIZE, OPB_SIZE,
+    SENSE_SIZE,
 };
 pub use super::idal::MAX_IDAWS_PER_CCW;
 pub use super::regs;
+pub use super::status::{cstat, dstat, sense, Fault, StatusBlock, STATUS_BLOCK_SIZE};
 
 impl CcwWord {
     /// READ `count` bytes into `addr`.

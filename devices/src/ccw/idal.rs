@@ -5,7 +5,8 @@
 //! IDAW must be page aligned and contributes a whole page. The CCW count must fit inside
 //! what the list covers.
 
-use super::format::{Fault, IDAW_PAGE_SIZE};
+use super::format::IDAW_PAGE_SIZE;
+use super::status::Fault;
 
 /// Most IDAWs one CCW may list. A 16-bit count needs at most 17 (a first IDAW at the last
 /// byte of a page plus 16 full pages); 32 leaves room for generous drivers.

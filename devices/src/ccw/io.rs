@@ -9,10 +9,11 @@ use std::os::fd::AsRawFd;
 
 use umdev::dma::PAGE_SIZE;
 
-use super::format::{sense, Fault, SENSE_SIZE};
+use super::format::SENSE_SIZE;
 use super::idal::Extent;
 use super::pins::PinnedPages;
 use super::program::{Op, Program, Step};
+use super::status::{sense, Fault};
 
 /// The device's sense bytes (what SENSE transfers).
 pub type SenseData = [u8; SENSE_SIZE];

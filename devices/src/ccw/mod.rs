@@ -9,8 +9,9 @@
 //! moves the data between the image and the pinned pages with `pread`/`pwrite`, unpins,
 //! stores a status block and raises MSI vector 0 (or INTx).
 //!
-//! The guest-visible formats are in [`format`], the registers in [`regs`], and
-//! `protocol-docs/devices/ccw.md` documents both for driver authors; [`driver`] holds the
+//! The guest-visible formats are in [`format`](mod@format) and [`status`], the registers in
+//! [`regs`], and
+//! `protocol-docs/devices/ccw.md` documents them for driver authors; [`driver`] holds the
 //! encoders a guest driver (the CLI demo, the tests) uses.
 //!
 //! Pins never outlive a program: they are released before the status is stored, and
@@ -25,6 +26,7 @@ pub mod io;
 pub mod pins;
 pub mod program;
 pub mod regs;
+pub mod status;
 pub mod worker;
 
 use std::fs::File;
@@ -40,7 +42,8 @@ use umdev::pci::{BarKind, BarSpec, PciConfig, PciDevice, PciIds};
 
 pub use image::CcwError;
 
-use format::{Fault, BLOCK_SIZE};
+use format::BLOCK_SIZE;
+use status::Fault;
 use worker::{Job, Shared, Worker};
 
 /// PCI vendor ID of the ccw device (the unregistered "experimental" vendor ID that QEMU's
@@ -95,6 +98,7 @@ pub struct Ccw {
     tx: Option<Sender<Job>>,
     rx: Option<Receiver<Job>>,
     worker: Option<JoinHandle<()>>,
+    irq: Interrupts,
 }
 
 impl Ccw {
@@ -113,6 +117,7 @@ impl Ccw {
             tx: None,
             rx: None,
             worker: None,
+            irq: Interrupts::default(),
         })
     }
 
@@ -218,9 +223,19 @@ impl Ccw {
             }
             regs::START if value == 1 => self.start(),
             regs::IRQ_STATUS => {
-                self.shared
-                    .irq_status
-                    .fetch_and(!(value & regs::IRQ_ALL), Ordering::SeqCst);
+                let irq_status = &self.shared.irq_status;
+                let clear = value & regs::IRQ_ALL;
+                let left = irq_status.fetch_and(!clear, Ordering::SeqCst) & !clear;
+                if left == 0 {
+                    // INTx is level-triggered: lower it once every cause is acknowledged,
+                    // so a completion latched while the line was masked does not fire
+                    // after the guest has already handled it. A completion that raced
+                    // with the ack re-raises it.
+                    self.irq.lower_intx();
+                    if irq_status.load(Ordering::SeqCst) != 0 {
+                        self.irq.trigger(0);
+                    }
+                }
             }
             _ => tracing::debug!(offset, value, "ccw: write to read-only/unknown register"),
         }
@@ -278,6 +293,7 @@ impl PciDevice for Ccw {
 
     fn attach(&mut self, dma: DmaHandle, irq: Interrupts) {
         self.stop_worker();
+        self.irq = irq.clone();
         let (tx, rx) = crossbeam_channel::bounded(1);
         let worker = Worker {
             shared: self.shared.clone(),
@@ -307,6 +323,7 @@ impl PciDevice for Ccw {
         self.start_dropped = false;
         let s = &self.shared;
         s.irq_status.store(0, Ordering::SeqCst);
+        self.irq.lower_intx();
         s.last_status.store(0, Ordering::SeqCst);
         s.completed.store(0, Ordering::SeqCst);
         *s.sense.lock().unwrap_or_else(|p| p.into_inner()) = [0; format::SENSE_SIZE];

@@ -9,9 +9,10 @@
 use std::collections::HashSet;
 
 use super::format::{
-    cmd, flags, CcwWord, Fault, CCW_ALIGN, CCW_SIZE, IDAW_LIST_ALIGN, IDAW_SIZE, SENSE_SIZE,
+    cmd, flags, CcwWord, CCW_ALIGN, CCW_SIZE, IDAW_LIST_ALIGN, IDAW_SIZE, SENSE_SIZE,
 };
 use super::idal::{direct_extent, idaw_extents, Extent, MAX_IDAWS_PER_CCW};
+use super::status::Fault;
 
 /// Default limit on CCWs fetched (TICs included) per program.
 pub const DEFAULT_MAX_CCWS: usize = 256;
@@ -418,7 +419,7 @@ mod tests {
         assert_eq!(fault_of(&m, 0x1000), (Fault::TicToTic, 0x3000));
         assert_eq!(
             Fault::TicToTic.status().1,
-            super::super::format::cstat::PROGRAM_CHECK
+            super::super::status::cstat::PROGRAM_CHECK
         );
     }
 

@@ -17,14 +17,12 @@ use crossbeam_channel::Receiver;
 use umdev::dma::{DmaError, DmaHandle};
 use umdev::irq::Interrupts;
 
-use super::format::{
-    opb_flags, Fault, OperationBlock, StatusBlock, BLOCK_SIZE, OPB_ALIGN, OPB_SIZE,
-    STATUS_BLOCK_SIZE,
-};
+use super::format::{opb_flags, OperationBlock, BLOCK_SIZE, OPB_ALIGN, OPB_SIZE};
 use super::io::{execute, unit_check_sense, Completion, SenseData};
 use super::pins::{range_intersects, PinFailure, PinnedPages, ProgramPages};
 use super::program::{parse, GuestRead, ParseLimits};
 use super::regs::{IRQ_DONE, IRQ_STATUS_LOST};
+use super::status::{Fault, StatusBlock, STATUS_BLOCK_SIZE};
 
 /// How long reset/unmap/disconnect wait for the worker before giving up (and logging).
 pub const WAIT_TIMEOUT: Duration = Duration::from_secs(3);

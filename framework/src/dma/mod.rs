@@ -9,7 +9,8 @@
 //! Files: `map_table` (lock-free sorted snapshot of mappings), `region` (one mapping),
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
-//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol).
+//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
+//! `sigbus` (surviving a client that shrinks a mapped file).
 //!
 //! # Concurrency
 //! Lookups (pins, `dma_rw`) read an `ArcSwap` snapshot of the map table: no lock. Pin and
@@ -46,6 +47,7 @@ mod pin_table;
 mod region;
 mod residency;
 mod rw;
+mod sigbus;
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};

@@ -86,6 +86,17 @@ impl IntxState {
         self.flush(send);
     }
 
+    /// Retry delivering a pending trigger (an eventfd was just attached).
+    pub(crate) fn retry(&self, send: impl Fn() -> bool) -> bool {
+        self.flush(send)
+    }
+
+    /// The client disabled the INTx index: drop the mask state, keep a pending trigger.
+    pub(crate) fn clear_mask(&self) {
+        self.asserted.store(false, SeqCst);
+        self.masked.store(false, SeqCst);
+    }
+
     /// Back to the power-on state (enabled, unmasked, nothing pending).
     pub(crate) fn reset(&self) {
         self.disabled.store(false, SeqCst);
@@ -109,7 +120,16 @@ impl IntxState {
             }
             if self.pending.swap(false, SeqCst) {
                 self.asserted.store(true, SeqCst);
-                return send();
+                if send() {
+                    return true;
+                }
+                // Nobody heard it (no eventfd attached): like a level line that stays
+                // asserted, keep it pending and unmasked so that attaching an eventfd or
+                // the next trigger delivers it, instead of staying automasked forever.
+                self.asserted.store(false, SeqCst);
+                self.pending.store(true, SeqCst);
+                self.masked.store(false, SeqCst);
+                return false;
             }
             self.masked.store(false, SeqCst);
         }
@@ -158,6 +178,16 @@ mod tests {
         intx.unmask(send);
         assert_eq!(fired.load(SeqCst), 1);
         assert!(!intx.masked());
+    }
+
+    #[test]
+    fn test_intx_undelivered_trigger_stays_pending_not_masked() {
+        let intx = IntxState::new(true);
+        assert!(!intx.trigger(|| false));
+        assert!(!intx.masked());
+        assert!(intx.status());
+        assert!(intx.retry(|| true));
+        assert!(intx.masked());
     }
 
     #[test]

@@ -9,10 +9,12 @@
 //! INTX_DISABLE) and remembers triggers on masked vectors as pending. Triggering takes no
 //! lock: state is atomics, eventfds are swapped in with `arc-swap`.
 //!
-//! Files: `eventfds.rs` (per-vector eventfd slots), `vector_set.rs` (MSI/MSI-X mask and
+//! Files: `eventfds.rs` (per-vector eventfd slots), `eventfd_check.rs` (client fds must be
+//! eventfds; made non-blocking), `vector_set.rs` (MSI/MSI-X mask and
 //! pending bits), `intx.rs` (the INTx line), `intx_resample.rs` (the INTx unmask eventfd thread), `state.rs` (the whole state and mode
 //! selection), `set_irqs.rs` (the SET_IRQS request).
 
+mod eventfd_check;
 mod eventfds;
 mod intx;
 mod intx_resample;

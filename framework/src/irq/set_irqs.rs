@@ -13,8 +13,10 @@ use std::sync::Arc;
 
 use crate::device::{irq_index, DeviceError, IrqAction, IrqData, SetIrqs};
 
+use super::eventfd_check::check_eventfd;
 use super::state::IrqState;
 use super::vector_set::MaskSource;
+use super::IrqMode;
 
 fn invalid(msg: String) -> DeviceError {
     tracing::warn!("SET_IRQS: {msg}");
@@ -41,6 +43,7 @@ impl IrqState {
             self.eventfds.clear_index(index);
             if index == irq_index::INTX {
                 self.clear_intx_resample();
+                self.intx.clear_mask();
             }
             return Ok(());
         }
@@ -63,6 +66,12 @@ impl IrqState {
                 data_len.unwrap_or(0)
             )));
         }
+        if let IrqData::Eventfd(fds) = &data {
+            // All-or-nothing: check every fd before attaching any.
+            for fd in fds.iter().flatten() {
+                check_eventfd(fd)?;
+            }
+        }
         let selected: Vec<u32> = match &data {
             IrqData::None => (start..end).collect(),
             IrqData::Bool(flags) => (start..end)
@@ -77,6 +86,10 @@ impl IrqState {
                 for (vector, fd) in (start..end).zip(fds) {
                     tracing::debug!(index, vector, attach = fd.is_some(), "SET_IRQS eventfd");
                     self.eventfds.set(index, vector, fd);
+                }
+                if index == irq_index::INTX && self.mode() == IrqMode::Intx {
+                    // A trigger nobody heard is still pending (level semantics).
+                    self.intx.retry(|| self.send_intx());
                 }
                 Ok(())
             }

@@ -71,14 +71,17 @@ impl IrqState {
         }
     }
 
+    /// Fire the INTx eventfd.
     pub(crate) fn send_intx(&self) -> bool {
         self.eventfds.fire(irq_index::INTX, 0)
     }
 
+    /// Fire an MSI vector's eventfd.
     pub(crate) fn send_msi(&self, vector: u32) -> bool {
         self.eventfds.fire(irq_index::MSI, vector)
     }
 
+    /// Fire an MSI-X vector's eventfd.
     pub(crate) fn send_msix(&self, vector: u32) -> bool {
         self.eventfds.fire(irq_index::MSIX, vector)
     }

@@ -168,6 +168,9 @@ impl<D: PciDevice> PciAdapter<D> {
 
     fn bar_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         let bar = self.bar(region, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(()); // Nothing to do; spares devices an empty slice.
+        }
         if let Some(shm) = &bar.spec.shared {
             return shm.read_at(offset, data).map_err(DeviceError::Io);
         }
@@ -195,6 +198,9 @@ impl<D: PciDevice> PciAdapter<D> {
 
     fn bar_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         let bar = self.bar(region, offset, data.len())?;
+        if data.is_empty() {
+            return Ok(()); // Nothing to do; spares devices an empty slice.
+        }
         if let Some(shm) = &bar.spec.shared {
             return shm.write_at(offset, data).map_err(DeviceError::Io);
         }

@@ -100,11 +100,19 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
     )
 }
 
+/// A command read by a requester, waiting for the connection thread (kept in arrival
+/// order, invalid ones included, so replies and error replies go out in order).
+#[derive(Debug)]
+enum Backlogged {
+    Command(Incoming),
+    Invalid(Header, ProtocolError),
+}
+
 /// The read side of the main socket.
 #[derive(Debug)]
 pub struct ReadSide {
     stream: UnixStream,
-    backlog: VecDeque<Incoming>,
+    backlog: VecDeque<Backlogged>,
     eof: bool,
 }
 
@@ -196,9 +204,12 @@ impl Channel {
         send_message(&w, buf, fds)
     }
 
-    /// Send an error reply to `hdr` (nothing if it asked for no reply or is a reply).
+    /// Send an error reply to `hdr` (nothing if it asked for no reply or is a reply; a
+    /// message of an undefined type is answered, its sender may be waiting).
     pub fn send_error(&self, hdr: &Header, errno: i32) {
-        if hdr.no_reply() || hdr.flags & crate::protocol::FLAGS_TYPE_MASK != 0 {
+        let is_reply =
+            hdr.flags & crate::protocol::FLAGS_TYPE_MASK == crate::protocol::FLAGS_TYPE_REPLY;
+        if hdr.no_reply() || is_reply {
             return;
         }
         if let Err(e) = self.send(&hdr.error_reply(errno).encode(), &[]) {
@@ -240,8 +251,15 @@ impl Channel {
     pub fn next_command(&self) -> Option<Incoming> {
         loop {
             let mut rs = lock(&self.reader);
-            if let Some(m) = rs.backlog.pop_front() {
-                return Some(m);
+            match rs.backlog.pop_front() {
+                Some(Backlogged::Command(m)) => return Some(m),
+                Some(Backlogged::Invalid(h, e)) => {
+                    drop(rs);
+                    warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
+                    self.send_error(&h, e.errno());
+                    continue;
+                }
+                None => {}
             }
             if rs.eof {
                 return None;
@@ -287,14 +305,13 @@ impl Channel {
         }
         match read_one(&rs.stream, self.max_message) {
             ReadResult::Message(m, MessageType::Reply) => self.route_reply(m),
-            ReadResult::Message(m, MessageType::Command) => rs.backlog.push_back(m),
-            ReadResult::Invalid(h, e) => {
-                warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
-                self.send_error(&h, e.errno());
+            ReadResult::Message(m, MessageType::Command) => {
+                rs.backlog.push_back(Backlogged::Command(m))
             }
+            ReadResult::Invalid(h, e) => rs.backlog.push_back(Backlogged::Invalid(h, e)),
             ReadResult::Corrupt(h, e) => {
                 rs.eof = true;
-                self.send_error(&h, e.errno());
+                rs.backlog.push_back(Backlogged::Invalid(h, e));
             }
             ReadResult::Eof => rs.eof = true,
         }
@@ -348,8 +365,10 @@ impl Channel {
             let slice = (deadline - now).min(PUMP_SLICE);
             if !twin {
                 if let Ok(mut rs) = self.reader.try_lock() {
-                    self.pump(&mut rs, slice);
-                    continue;
+                    if !rs.eof {
+                        self.pump(&mut rs, slice);
+                        continue;
+                    }
                 }
             }
             match rx.recv_timeout(slice) {
@@ -391,5 +410,68 @@ impl Channel {
             }
         }
         lock(&self.pending).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn pair(timeout_ms: u64) -> (Arc<Channel>, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let chan = Channel::new(a, 1 << 20, 4096, Duration::from_millis(timeout_ms)).unwrap();
+        (Arc::new(chan), b)
+    }
+
+    #[test]
+    fn test_request_reply_matched_by_id_while_commands_backlogged() {
+        let (chan, peer) = pair(2000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let ReadResult::Message(req, MessageType::Command) = read_one(&peer, 1 << 20) else {
+            panic!("expected the request");
+        };
+        // The client sends a command of its own first, then the reply.
+        let cmd = Header::command(77, Command::DeviceReset, 0);
+        send_message(&peer, &cmd.encode(), &[]).unwrap();
+        let reply = req.header.reply(3);
+        send_message(&peer, &encode_message(&reply, &[1, 2, 3]), &[]).unwrap();
+        let got = t.join().unwrap().unwrap();
+        assert_eq!(got.payload, vec![1, 2, 3]);
+        let next = chan.next_command().expect("backlogged command");
+        assert_eq!(next.header.msg_id, 77);
+    }
+
+    #[test]
+    fn test_request_timeout_then_late_reply_dropped() {
+        let (chan, peer) = pair(50);
+        let e = chan.request(Command::DmaRead, &[0; 16]).unwrap_err();
+        assert_eq!(e, RequestError::Timeout(Duration::from_millis(50)));
+        let ReadResult::Message(req, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the request");
+        };
+        send_message(&peer, &req.header.reply(0).encode(), &[]).unwrap();
+        drop(peer);
+        assert!(
+            chan.next_command().is_none(),
+            "late reply dropped, then EOF"
+        );
+    }
+
+    #[test]
+    fn test_request_fails_fast_on_disconnect() {
+        let (chan, peer) = pair(5000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaWrite, &[0; 16]));
+        let _ = read_one(&peer, 1 << 20);
+        let start = Instant::now();
+        drop(peer);
+        assert_eq!(t.join().unwrap().unwrap_err(), RequestError::Disconnected);
+        assert!(start.elapsed() < Duration::from_secs(1));
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::Disconnected
+        );
     }
 }

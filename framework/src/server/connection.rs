@@ -5,13 +5,16 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use tracing::{debug, debug_span, info, warn};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use tracing::{debug, debug_span, error, info, warn};
 
 use super::channel::{Channel, Incoming};
 use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
 use crate::device::{Device, DeviceInfo};
 use crate::dma::DmaSpace;
+use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{negotiate, Version};
 use crate::protocol::{decode_request, Command, Header, Limits, Request, HEADER_SIZE};
 
@@ -107,7 +110,9 @@ impl Connection {
         }
     }
 
-    /// Serve until the client disconnects, then release its DMA maps and IRQ fds.
+    /// Serve until the client disconnects, then release its DMA maps and IRQ fds. A panic
+    /// in the device while handling a message is answered with EIO and ends the connection
+    /// (with the usual teardown), not the server.
     pub fn run(mut self) {
         info!("client connected");
         while let Some(m) = self.chan.next_command() {
@@ -129,7 +134,16 @@ impl Connection {
             errno = tracing::field::Empty
         );
         let _enter = span.enter();
-        match self.process(&hdr, &m.payload, m.fds) {
+        let fds = m.fds;
+        let result = catch_unwind(AssertUnwindSafe(|| self.process(&hdr, &m.payload, fds)));
+        let Ok(result) = result else {
+            error!("the device panicked while handling {name}; closing the connection");
+            span.record("errno", libc::EIO);
+            self.chan.send_error(&hdr, libc::EIO);
+            self.chan.close();
+            return;
+        };
+        match result {
             Ok(Some(mut reply)) => {
                 if hdr.no_reply() {
                     return;
@@ -215,8 +229,16 @@ impl Connection {
             .send(reply.finish(hdr), &fds)
             .map_err(|e| ServerError::io("sending the VERSION reply", e))?;
         drop(twin_client);
+        let layout =
+            self.config
+                .dma_rw_layout
+                .unwrap_or(if v.caps.migration_max_bitmap_size.is_some() {
+                    DmaRwLayout::Qemu
+                } else {
+                    DmaRwLayout::Spec
+                });
         self.dma
-            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone()))));
+            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
         self.negotiated = true;
         info!(
             client_minor = v.minor,
@@ -224,6 +246,7 @@ impl Connection {
             max_dma_maps = n.max_dma_maps,
             write_multiple = n.write_multiple,
             twin_socket = n.twin_socket,
+            dma_rw_layout = ?layout,
             "version negotiated"
         );
         Ok(None)

@@ -95,6 +95,19 @@ impl Connection {
 
     pub(super) fn dma_unmap(&mut self, u: DmaUnmapRequest) -> Result<Reply, ServerError> {
         let mut dev = lock_device(&self.device);
+        if u.all {
+            let report = self
+                .dma
+                .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size));
+            debug!(maps = report.maps_removed, "DMA_UNMAP all");
+            if report.leftover_pins > 0 {
+                warn!(
+                    leftover_pins = report.leftover_pins,
+                    "DMA_UNMAP all: device left pins behind; force-released"
+                );
+            }
+            return Ok(Reply::from_payload(&u.encode()));
+        }
         let report = self
             .dma
             .unmap(u.iova, u.size, &mut |iova, size| dev.dma_unmap(iova, size))

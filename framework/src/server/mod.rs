@@ -4,7 +4,8 @@
 //! lives as long as the server, across client reconnects. [`Server::spawn`] binds the
 //! socket (mode 0600 by default; a live socket is never clobbered, a stale one is
 //! removed), attaches the device to the DMA space once, and serves one client at a time on
-//! a connection thread; a second simultaneous client is refused with a log line.
+//! a connection thread; a second simultaneous client is refused: its first command gets
+//! an EBUSY error reply, then it is closed.
 //!
 //! Per connection ([`connection`]): VERSION first, then every command is decoded by
 //! [`crate::protocol`], bounds-checked against the device's regions and IRQs, and
@@ -27,6 +28,7 @@ pub mod connection;
 mod dispatch;
 mod error;
 pub mod listener;
+mod refuse;
 pub mod remote_dma;
 mod running;
 pub mod socket_io;

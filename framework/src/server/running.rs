@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -29,7 +29,9 @@ pub struct Server {
 struct StopState {
     stop: AtomicBool,
     wake: EventFd,
-    active: Mutex<Option<Arc<Channel>>>,
+    /// Weak: the connection's socket fds close as soon as its thread ends, not when
+    /// the next client arrives.
+    active: Mutex<Option<Weak<Channel>>>,
 }
 
 /// Stops a running server: closes the active connection and the listener.
@@ -49,6 +51,7 @@ impl ShutdownHandle {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
+            .and_then(Weak::upgrade)
         {
             c.close();
         }
@@ -179,7 +182,7 @@ fn accept_loop(
     let span = info_span!("server", socket = %listener.path().display());
     let _enter = span.enter();
     let device = Arc::new(Mutex::new(device));
-    let mut current: Option<(Arc<Channel>, JoinHandle<()>)> = None;
+    let mut current: Option<(Weak<Channel>, JoinHandle<()>)> = None;
     let result = loop {
         if state.stop.load(Ordering::Acquire) {
             break Ok(());
@@ -207,14 +210,13 @@ fn accept_loop(
             // A client that just hung up may not have been noticed yet: give its
             // connection a moment to wind down before calling the new one a second client.
             let mut waited = Duration::ZERO;
-            while !thread.is_finished() && !chan.is_closed() && waited < Duration::from_millis(100)
-            {
+            let closed = |c: &Weak<Channel>| c.upgrade().is_none_or(|c| c.is_closed());
+            while !thread.is_finished() && !closed(&chan) && waited < Duration::from_millis(100) {
                 std::thread::sleep(Duration::from_millis(2));
                 waited += Duration::from_millis(2);
             }
-            if !thread.is_finished() && !chan.is_closed() {
-                warn!("refusing a second client: one client is already connected");
-                drop(stream);
+            if !thread.is_finished() && !closed(&chan) {
+                super::refuse::refuse_busy(stream);
                 current = Some((chan, thread));
                 continue;
             }
@@ -236,7 +238,7 @@ fn accept_loop(
                 continue;
             }
         };
-        *state.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(chan.clone());
+        *state.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::downgrade(&chan));
         let conn = Connection::new(chan.clone(), device.clone(), dma.clone(), config.clone());
         let span = span.clone();
         match std::thread::Builder::new()
@@ -245,12 +247,14 @@ fn accept_loop(
                 let _e = span.enter();
                 conn.run()
             }) {
-            Ok(t) => current = Some((chan, t)),
+            Ok(t) => current = Some((Arc::downgrade(&chan), t)),
             Err(e) => error!(error = %e, "cannot spawn the connection thread"),
         }
     };
     if let Some((chan, thread)) = current.take() {
-        chan.close();
+        if let Some(c) = chan.upgrade() {
+            c.close();
+        }
         let _ = thread.join();
     }
     *state.active.lock().unwrap_or_else(|p| p.into_inner()) = None;

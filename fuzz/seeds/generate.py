@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Write the seed inputs of both fuzz targets into seeds/<target>/ (a valid session of
+every command, one command per file, and a VERSION with every capability)."""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def msg(mid, cmd, payload, flags=0):
+    return struct.pack('<HHIII', mid, cmd, 16 + len(payload), flags, 0) + payload
+
+
+def acc(region, off, count):
+    return struct.pack('<QII', off, region, count)
+
+
+cmds = [
+    msg(2, 4, struct.pack('<IIII', 16, 0, 0, 0)),                      # GET_INFO
+    msg(3, 5, struct.pack('<IIIIQQ', 256, 0, 2, 0, 0, 0)),             # REGION_INFO 2
+    msg(4, 7, struct.pack('<IIII', 16, 0, 1, 0)),                      # IRQ_INFO 1
+    msg(5, 2, struct.pack('<IIQQQ', 32, 3, 0, 0x800000, 0x4000)),      # fd-less DMA_MAP
+    msg(6, 9, acc(7, 0, 4)),                                           # REGION_READ
+    msg(7, 10, acc(0, 0x200, 8) + struct.pack('<Q', 0x800000)),        # DMA_IOVA
+    msg(8, 10, acc(0, 0x208, 4) + struct.pack('<I', 16)),              # DMA_LEN
+    msg(9, 10, acc(0, 0x20c, 4) + struct.pack('<I', 1)),               # DMA_OP read
+    msg(10, 10, acc(0, 0x20c, 4) + struct.pack('<I', 2), flags=0x10),  # posted DMA_OP write
+    msg(11, 8, struct.pack('<IIIII', 20, 0x1 | 0x20, 1, 0, 2)),        # SET_IRQS none
+    msg(12, 15, struct.pack('<Q', 1) + acc(0, 0x100, 4) + b'\x01' + b'\0' * 7),  # WRITE_MULTI
+    msg(13, 16, struct.pack('<II', 8, 0x40000 | 6)),                   # FEATURE probe
+    msg(14, 3, struct.pack('<IIQQ', 24, 0, 0x800000, 0x4000)),         # DMA_UNMAP
+    msg(15, 13, b''),                                                  # RESET
+    msg(16, 1, b'\0' * 4),                                             # second VERSION
+]
+caps = b'{"capabilities":{"max_msg_fds":16,"twin_socket":{"supported":true},' \
+       b'"write_multiple":true,"pgsizes":4096}}'
+version = b'\0\0\0\0' + caps + b'\0'
+for d in ('server_stream', 'protocol_decode'):
+    os.makedirs(os.path.join(HERE, d), exist_ok=True)
+
+
+def put(target, name, data):
+    with open(os.path.join(HERE, target, name), 'wb') as f:
+        f.write(data)
+
+
+# server_stream: byte 0 is the knob (bit 0 twin socket, bit 1 prepend VERSION).
+put('server_stream', 'session', b'\x02' + b''.join(cmds))
+put('server_stream', 'session_twin', b'\x03' + b''.join(cmds))
+put('server_stream', 'version_only', b'\x00' + msg(1, 1, version))
+# protocol_decode: 16-byte header, knob byte, payload.
+put('protocol_decode', 'version', msg(1, 1, version)[:16] + b'\x01' + version)
+for i, c in enumerate(cmds):
+    put('server_stream', f'one_{i}', b'\x02' + c)
+    put('protocol_decode', f'cmd_{i}', c[:16] + b'\x00' + c[16:])

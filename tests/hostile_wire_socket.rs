@@ -1,0 +1,135 @@
+//! Socket security: file mode 0600 by default and configurable, one client at a time (a
+//! second one gets EBUSY and the first session is untouched), a live socket is never
+//! clobbered, a stale one is replaced, anything else at the path is left alone.
+
+mod common;
+#[path = "common/hostile.rs"]
+mod hostile;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+
+use common::raw_client::RawClient;
+use common::test_device::TestDevice;
+use common::TestServer;
+use hostile::*;
+use umdev::dma::{DmaConfig, DmaSpace};
+use umdev::protocol::dma_map::DmaMapRequest;
+use umdev::protocol::Command;
+use umdev::server::{Server, ServerConfig, ServerError};
+
+fn mode_of(p: &std::path::Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn spawn_at(path: &std::path::Path) -> Result<umdev::server::RunningServer, ServerError> {
+    let (device, _state) = TestDevice::new();
+    Server::new(
+        ServerConfig::new(path),
+        Box::new(device),
+        DmaSpace::new(DmaConfig::default()),
+    )
+    .spawn()
+}
+
+#[test]
+fn test_socket_default_mode_is_0600() {
+    let _g = serial();
+    let ts = TestServer::start();
+    assert_eq!(mode_of(&ts.path), 0o600);
+    assert_eq!(ServerConfig::new("/x").socket_mode, 0o600);
+}
+
+#[test]
+fn test_socket_mode_option_applied() {
+    let _g = serial();
+    let ts = TestServer::start_with(|c| c.socket_mode = 0o660);
+    assert_eq!(mode_of(&ts.path), 0o660);
+    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
+}
+
+#[test]
+fn test_socket_second_client_gets_ebusy_first_session_intact() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut first = RawClient::new_default(&ts.path);
+    let mem = common::memfd(0x4000);
+    let map = DmaMapRequest {
+        flags: 3,
+        offset: 0,
+        iova: 0x10_0000,
+        size: 0x4000,
+    };
+    let r = first.call(Command::DmaMap as u16, 0, &map.encode(), &[mem.as_raw_fd()]);
+    assert!(!r.header.is_error());
+    let baseline = fd_count();
+    for _ in 0..3 {
+        let mut p = vec![0, 0, 0, 0];
+        p.extend_from_slice(b"{}\0");
+        let mut second = RawClient::connect(&ts.path);
+        let id = second.send(Command::Version as u16, 0, &p, &[]);
+        let m = second.recv();
+        assert_eq!(m.header.msg_id, id);
+        assert!(m.header.is_error(), "second client was served");
+        assert_eq!(m.header.error, libc::EBUSY as u32);
+        assert!(closed_by_peer(&second.stream), "second client kept open");
+        // The first session still works and still owns its mapping.
+        assert_eq!(first.region_read(7, 4, 4), vec![4, 5, 6, 7]);
+        assert_eq!(ts.dma.stats().maps, 1);
+    }
+    // A second client that connects and says nothing is closed too.
+    let silent = UnixStream::connect(&ts.path).unwrap();
+    assert!(closed_by_peer(&silent));
+    drop(silent);
+    settle_fds(baseline, "after refusing second clients");
+    assert_eq!(first.region_read(7, 8, 2), vec![8, 9]);
+    assert_eq!(ts.state().disconnects, 0, "the first session was disturbed");
+    // Once the first client leaves, the next one is served.
+    drop(first);
+    ts.wait_for("first client gone", |s| s.disconnects == 1);
+    let mut next = RawClient::new_default(&ts.path);
+    assert_eq!(next.region_read(7, 0, 2), vec![0, 1]);
+}
+
+#[test]
+fn test_socket_live_not_clobbered_stale_replaced() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dev.sock");
+    let live = spawn_at(&path).unwrap();
+    assert!(matches!(spawn_at(&path), Err(ServerError::SocketInUse(_))));
+    // The live server still answers.
+    let mut c = RawClient::new_default(&path);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    drop(c);
+    live.shutdown().unwrap();
+    assert!(!path.exists(), "socket left behind after shutdown");
+    // A crashed server's socket: the file exists, nobody listens.
+    drop(UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let s = spawn_at(&path).unwrap();
+    let mut c = RawClient::new_default(&path);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    assert_eq!(mode_of(&path), 0o600);
+    drop(c);
+    drop(s);
+}
+
+#[test]
+fn test_socket_path_not_a_socket_left_alone() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"keep me").unwrap();
+    assert!(matches!(spawn_at(&file), Err(ServerError::NotASocket(_))));
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+    // A symlink to a stale socket is not followed or removed.
+    let stale = dir.path().join("stale.sock");
+    drop(UnixListener::bind(&stale).unwrap());
+    let link = dir.path().join("link.sock");
+    std::os::unix::fs::symlink(&stale, &link).unwrap();
+    assert!(matches!(spawn_at(&link), Err(ServerError::NotASocket(_))));
+    assert!(stale.exists() && link.exists());
+}
