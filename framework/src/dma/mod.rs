@@ -296,7 +296,8 @@ impl DmaSpace {
         self.unmap_impl(iova, size, notify)
     }
 
-    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`.
+    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`; also
+    /// stops dirty logging (client state), so the next client can start it afresh.
     pub fn unmap_all(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
         self.unmap_all_impl(notify)
     }
@@ -318,8 +319,9 @@ impl DmaSpace {
     }
 
     /// DMA_LOGGING_REPORT: fill `bitmap` (1 bit per `pgsize` page of `[iova, iova+size)`,
-    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` must be
-    /// a power-of-two multiple of the logging page size; iova and size aligned to it.
+    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` is a
+    /// power of two ≥ 4096, possibly different from the logging page size (bits are OR-ed or
+    /// replicated); iova and size must be aligned to it.
     pub fn dirty_report(
         &self,
         iova: u64,
@@ -447,7 +449,8 @@ impl DmaHandle {
     /// Pin the pages `iova_pfns` (arbitrary order, duplicates allowed) with `prot`; write the
     /// host address of each page into `host_addrs[i]`. All-or-nothing: on error nothing
     /// pinned by the call stays pinned and the accounting is as before (pages pinned
-    /// writable may stay marked dirty). See the module docs for what a host address allows.
+    /// writable may stay marked dirty; `host_addrs` may be partly written). See the module
+    /// docs for what a host address allows.
     pub fn pin_pages(
         &self,
         iova_pfns: &[u64],

@@ -144,6 +144,8 @@ impl Region {
     /// A region for `[iova, iova + size)`, validated by the caller.
     pub(crate) fn new(iova: u64, size: u64, prot: Prot, mem: Option<HostMem>) -> Region {
         let end = iova + size;
+        // An fd-less mapping can never be pinned: no pin state at all, whatever its size.
+        let pin_pages = if mem.is_some() { size >> PAGE_SHIFT } else { 0 };
         Region {
             iova,
             size,
@@ -153,7 +155,7 @@ impl Region {
             prot,
             host: mem.as_ref().map_or(0, HostMem::addr),
             mem: Mutex::new(mem),
-            pins: PinTable::new(size >> PAGE_SHIFT),
+            pins: PinTable::new(pin_pages),
             closing: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
