@@ -6,11 +6,13 @@
 //! [`GuestMemfd`], memfd-backed guest memory that is also DMA-mapped for the device).
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::commands::Command;
 use super::regs::*;
+use umdev::pci::SharedMemory;
 
 /// 32-bit access to BAR0.
 pub trait RegisterAccess {
@@ -211,16 +213,13 @@ impl<R: RegisterAccess> Driver<R> {
     }
 }
 
-/// memfd-backed guest memory at guest address `base`, mapped in this process too.
+/// memfd-backed guest memory at guest address `base`, mapped in this process too (umdev's
+/// sealed [`SharedMemory`]; accessed with volatile copies only).
 pub struct GuestMemfd {
-    fd: OwnedFd,
-    ptr: *mut u8,
+    mem: SharedMemory,
+    fd: Arc<OwnedFd>,
     base: u64,
-    size: usize,
 }
-
-// SAFETY: the mapping is owned by this value and only reached through raw copies.
-unsafe impl Send for GuestMemfd {}
 
 impl GuestMemfd {
     /// `size` bytes (page multiple) of zeroed memory at guest address `base`.
@@ -228,38 +227,9 @@ impl GuestMemfd {
         if size == 0 || !size.is_multiple_of(4096) || base.checked_add(size as u64).is_none() {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        // SAFETY: the name is a valid NUL-terminated C string; flags are valid.
-        let raw = unsafe { libc::memfd_create(c"umdev-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on our own fd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh shared mapping of `size` bytes of our memfd; no existing memory is
-        // affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(GuestMemfd {
-            fd,
-            ptr: ptr.cast(),
-            base,
-            size,
-        })
+        let mem = SharedMemory::new("guest-ram", size as u64)?;
+        let fd = mem.fd();
+        Ok(GuestMemfd { mem, fd, base })
     }
 
     /// Guest address of the first byte.
@@ -269,7 +239,7 @@ impl GuestMemfd {
 
     /// Size in bytes.
     pub fn size(&self) -> usize {
-        self.size
+        self.mem.len() as usize
     }
 
     /// The memfd (to DMA-map it for the device).
@@ -282,20 +252,26 @@ impl GuestMemfd {
         self.fd.try_clone()
     }
 
-    fn offset(&self, gpa: u64, len: usize) -> io::Result<usize> {
-        let off = gpa.checked_sub(self.base).filter(|&o| {
-            o.checked_add(len as u64)
-                .is_some_and(|e| e <= self.size as u64)
-        });
-        off.map(|o| o as usize)
+    fn offset(&self, gpa: u64, len: usize) -> io::Result<u64> {
+        gpa.checked_sub(self.base)
+            .filter(|&o| {
+                o.checked_add(len as u64)
+                    .is_some_and(|e| e <= self.mem.len())
+            })
             .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))
     }
 
     /// Fill `[gpa, gpa + len)` with `byte`.
     pub fn fill(&mut self, gpa: u64, len: usize, byte: u8) -> io::Result<()> {
-        let off = self.offset(gpa, len)?;
-        // SAFETY: `off + len <= size` was checked; the mapping is alive and writable.
-        unsafe { std::ptr::write_bytes(self.ptr.add(off), byte, len) };
+        let mut off = self.offset(gpa, len)?;
+        let chunk = [byte; 4096];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            self.mem.write_at(off, &chunk[..n])?;
+            off += n as u64;
+            left -= n;
+        }
         Ok(())
     }
 }
@@ -303,22 +279,11 @@ impl GuestMemfd {
 impl GuestRam for GuestMemfd {
     fn write(&mut self, gpa: u64, data: &[u8]) -> io::Result<()> {
         let off = self.offset(gpa, data.len())?;
-        // SAFETY: bounds checked; the mapping is alive and writable; `data` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) };
-        Ok(())
+        self.mem.write_at(off, data)
     }
 
     fn read(&mut self, gpa: u64, buf: &mut [u8]) -> io::Result<()> {
         let off = self.offset(gpa, buf.len())?;
-        // SAFETY: bounds checked; the mapping is alive and readable; `buf` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), buf.as_mut_ptr(), buf.len()) };
-        Ok(())
-    }
-}
-
-impl Drop for GuestMemfd {
-    fn drop(&mut self) {
-        // SAFETY: `ptr`/`size` are exactly the mapping created in `new`, unmapped once.
-        unsafe { libc::munmap(self.ptr.cast(), self.size) };
+        self.mem.read_at(off, buf)
     }
 }
