@@ -785,24 +785,23 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
     mem[..32].copy_from_slice(&opb.to_bytes());
     let prog = driver::encode_program(&[CcwWord::write(512, DATA)]);
     mem[0x100..0x100 + prog.len()].copy_from_slice(&prog);
-    let run =
-        |c: &mut common::RawClient, vmm: Vmm, mem: &mut Vec<u8>, n: &mut u32| -> (u32, u32) {
-            let done = raw_reg(c, vmm, mem, n, regs::COMPLETED, None);
-            raw_reg(c, vmm, mem, n, regs::OPB_ADDR_LO, Some(FDLESS as u32));
-            raw_reg(c, vmm, mem, n, regs::OPB_ADDR_HI, Some(0));
-            raw_reg(c, vmm, mem, n, regs::START, Some(1));
-            let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while raw_reg(c, vmm, mem, n, regs::COMPLETED, None) == done {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{vmm:?}: program never completed"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let irq = raw_reg(c, vmm, mem, n, regs::IRQ_STATUS, None);
-            raw_reg(c, vmm, mem, n, regs::IRQ_STATUS, Some(irq));
-            (irq, raw_reg(c, vmm, mem, n, regs::LAST_STATUS, None))
-        };
+    let run = |c: &mut common::RawClient, vmm: Vmm, mem: &mut Vec<u8>, n: &mut u32| -> (u32, u32) {
+        let done = raw_reg(c, vmm, mem, n, regs::COMPLETED, None);
+        raw_reg(c, vmm, mem, n, regs::OPB_ADDR_LO, Some(FDLESS as u32));
+        raw_reg(c, vmm, mem, n, regs::OPB_ADDR_HI, Some(0));
+        raw_reg(c, vmm, mem, n, regs::START, Some(1));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while raw_reg(c, vmm, mem, n, regs::COMPLETED, None) == done {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{vmm:?}: program never completed"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let irq = raw_reg(c, vmm, mem, n, regs::IRQ_STATUS, None);
+        raw_reg(c, vmm, mem, n, regs::IRQ_STATUS, Some(irq));
+        (irq, raw_reg(c, vmm, mem, n, regs::LAST_STATUS, None))
+    };
     for vmm in [Vmm::Honest, Vmm::Errors, Vmm::Silent, Vmm::Honest] {
         let before = n;
         let (irq, last) = run(&mut c, vmm, &mut mem, &mut n);

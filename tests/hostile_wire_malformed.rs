@@ -1169,3 +1169,52 @@ fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
     settle_fds(baseline, "after unmap");
     settle_dma(&ts.dma, 0, "after unmap");
 }
+
+#[test]
+fn test_hostile_maps_beyond_limit_enospc_then_usable() {
+    let _g = serial();
+    let ts = TestServer::start();
+    ts.dma.set_max_dma_maps(8);
+    let mem = common::memfd(0x1000);
+    let baseline = fd_count();
+    let mut c = RawClient::new_default(&ts.path);
+    let connected = fd_count();
+    let map_at = |c: &mut RawClient, i: u64| {
+        let fds = if i.is_multiple_of(2) {
+            vec![mem.as_raw_fd()]
+        } else {
+            vec![]
+        };
+        c.call(
+            Command::DmaMap as u16,
+            0,
+            &map_req(3, 0, 0x100_0000 + i * 0x1000, 0x1000),
+            &fds,
+        )
+    };
+    for i in 0..8 {
+        let r = map_at(&mut c, i);
+        assert!(!r.header.is_error(), "map {i}: errno {}", r.header.error);
+    }
+    for i in 8..12 {
+        let r = map_at(&mut c, i);
+        assert!(r.header.is_error(), "map {i} beyond the limit accepted");
+        assert_eq!(r.header.error, libc::ENOSPC as u32);
+    }
+    assert_eq!(ts.dma.stats().maps, 8);
+    usable(&mut c, "at the map limit");
+    // Making room lets the next map in.
+    let r = c.call(
+        Command::DmaUnmap as u16,
+        0,
+        &unmap_req(24, 0, 0x100_0000, 0x1000),
+        &[],
+    );
+    assert!(!r.header.is_error());
+    assert!(!map_at(&mut c, 20).header.is_error());
+    // Rejected maps kept no fd (a mapping keeps its memory, not the fd).
+    settle_fds(connected, "at the map limit");
+    drop(c);
+    settle_dma(&ts.dma, 0, "after hang-up at the limit");
+    settle_fds(baseline, "after hang-up at the limit");
+}
