@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
@@ -132,6 +132,10 @@ pub enum RequestError {
 #[derive(Debug)]
 pub struct Channel {
     writer: Mutex<UnixStream>,
+    /// Clones used only to shut the sockets down: a sender blocked in `sendmsg` (a client
+    /// that stops reading) holds the writer lock, and `close` must not wait for it.
+    control: UnixStream,
+    twin_control: OnceLock<UnixStream>,
     reader: Mutex<ReadSide>,
     twin: Mutex<Option<UnixStream>>,
     twin_active: AtomicBool,
@@ -157,8 +161,11 @@ impl Channel {
         timeout: Duration,
     ) -> std::io::Result<Channel> {
         let reader = stream.try_clone()?;
+        let control = stream.try_clone()?;
         Ok(Channel {
             writer: Mutex::new(stream),
+            control,
+            twin_control: OnceLock::new(),
             reader: Mutex::new(ReadSide {
                 stream: reader,
                 backlog: VecDeque::new(),
@@ -186,6 +193,9 @@ impl Channel {
 
     /// Route server→client requests over `twin` from now on.
     pub fn set_twin(&self, twin: UnixStream) {
+        if let Ok(c) = twin.try_clone() {
+            let _ = self.twin_control.set(c);
+        }
         *lock(&self.twin) = Some(twin);
         self.twin_active.store(true, Ordering::Release);
     }
@@ -213,9 +223,10 @@ impl Channel {
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         lock(&self.pending).clear();
-        let w = lock(&self.writer);
-        let _ = w.shutdown(std::net::Shutdown::Both);
-        if let Some(t) = lock(&self.twin).as_ref() {
+        // Not through the writer/twin locks: their holder may be blocked in sendmsg, and
+        // shutting the socket down is what wakes it.
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.twin_control.get() {
             let _ = t.shutdown(std::net::Shutdown::Both);
         }
     }
