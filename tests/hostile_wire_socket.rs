@@ -133,3 +133,32 @@ fn test_socket_path_not_a_socket_left_alone() {
     assert!(matches!(spawn_at(&link), Err(ServerError::NotASocket(_))));
     assert!(stale.exists() && link.exists());
 }
+
+#[test]
+fn test_socket_client_not_reading_replies_shutdown_still_returns() {
+    let _g = serial();
+    let mut ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    // Ask for far more reply bytes than the socket buffers hold and never read them: the
+    // connection thread ends up blocked in sendmsg.
+    let a = umdev::protocol::region_access::RegionAccess {
+        offset: 0,
+        region: 2,
+        count: 0x10000,
+    };
+    for _ in 0..64 {
+        c.send(Command::RegionRead as u16, 0, &a.encode(), &[]);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let server = ts.server.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(server.shutdown());
+    });
+    let r = rx.recv_timeout(std::time::Duration::from_secs(5));
+    assert!(
+        r.is_ok(),
+        "shutdown hangs while a client does not read its replies"
+    );
+    drop(c);
+}
