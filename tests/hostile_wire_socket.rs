@@ -162,3 +162,34 @@ fn test_socket_client_not_reading_replies_shutdown_still_returns() {
     );
     drop(c);
 }
+
+#[test]
+fn test_socket_connection_storm_refusals_bounded_first_session_intact() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut first = RawClient::new_default(&ts.path);
+    let fds = fd_count();
+    let threads = thread_count();
+    // 12 clients connect at once and say nothing: at most 4 refusal threads run (each
+    // refused connection costs the accept loop up to 100 ms, so the storm stays small).
+    let storm: Vec<UnixStream> = (0..12)
+        .map(|_| UnixStream::connect(&ts.path).unwrap())
+        .collect();
+    let mut peak = 0;
+    for _ in 0..40 {
+        peak = peak.max(thread_count());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        peak <= threads + 4,
+        "{peak} threads during the storm (from {threads})"
+    );
+    assert_eq!(first.region_read(7, 0, 4), vec![0, 1, 2, 3]);
+    for s in &storm {
+        assert!(closed_by_peer(s), "a storm connection stayed open");
+    }
+    drop(storm);
+    settle_fds(fds, "after the storm");
+    assert_eq!(first.region_read(7, 4, 4), vec![4, 5, 6, 7]);
+    assert_eq!(ts.state().disconnects, 0);
+}
