@@ -7,6 +7,9 @@ use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
 };
 
+/// Default of [`ServerConfig::max_dma_mapped_bytes`]: 16 TiB.
+pub const DEFAULT_MAX_DMA_MAPPED_BYTES: u64 = 16 << 40;
+
 /// How a [`super::Server`] listens and what it offers in VERSION.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -26,6 +29,11 @@ pub struct ServerConfig {
     pub twin_socket: bool,
     /// How long a server→client DMA_READ/DMA_WRITE waits for its reply.
     pub remote_dma_timeout: Duration,
+    /// Most bytes one client may have DMA-mapped at once (sum of its map sizes; beyond it
+    /// DMA_MAP fails with ENOSPC). The DMA layer keeps bookkeeping proportional to the
+    /// mapped size even for fd-less maps, so this bounds what a client can make the server
+    /// allocate. Default 16 TiB.
+    pub max_dma_mapped_bytes: u64,
 }
 
 impl ServerConfig {
@@ -40,6 +48,7 @@ impl ServerConfig {
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),
+            max_dma_mapped_bytes: DEFAULT_MAX_DMA_MAPPED_BYTES,
         }
     }
 

@@ -72,6 +72,8 @@ pub struct Connection {
     pub(super) limits: Limits,
     pub(super) negotiated: bool,
     pub(super) info: DeviceInfo,
+    /// Sum of the sizes of this client's live DMA maps.
+    pub(super) mapped_bytes: u64,
     twin_thread: Option<JoinHandle<()>>,
 }
 
@@ -103,6 +105,7 @@ impl Connection {
             limits,
             negotiated: false,
             info,
+            mapped_bytes: 0,
             twin_thread: None,
         }
     }

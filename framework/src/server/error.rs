@@ -34,6 +34,16 @@ pub enum ServerError {
     /// The DMA layer refused the request.
     #[error("DMA: {0}")]
     Dma(#[source] DmaError),
+    /// A DMA_MAP would take the client past [`super::ServerConfig::max_dma_mapped_bytes`].
+    #[error("DMA_MAP of {size:#x} bytes would exceed the mapped-bytes budget ({mapped:#x} of {max:#x} in use)")]
+    DmaBudget {
+        /// Size of the refused map.
+        size: u64,
+        /// Bytes mapped now.
+        mapped: u64,
+        /// The budget.
+        max: u64,
+    },
     /// A region/IRQ index or range outside what the device reports.
     #[error("{0}")]
     OutOfRange(String),
@@ -53,6 +63,7 @@ impl ServerError {
             ServerError::Device(e) => nonzero(e.errno()),
             ServerError::Dma(e) => nonzero(e.errno()),
             ServerError::OutOfRange(_) | ServerError::BadState(_) => libc::EINVAL,
+            ServerError::DmaBudget { .. } => libc::ENOSPC,
             ServerError::Io { source, .. } => nonzero(source.raw_os_error().unwrap_or(libc::EIO)),
             ServerError::SocketInUse(_) => libc::EADDRINUSE,
             ServerError::NotASocket(_) => libc::EEXIST,
