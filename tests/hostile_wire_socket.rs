@@ -193,3 +193,32 @@ fn test_socket_connection_storm_refusals_bounded_first_session_intact() {
     assert_eq!(first.region_read(7, 4, 4), vec![4, 5, 6, 7]);
     assert_eq!(ts.state().disconnects, 0);
 }
+
+#[test]
+fn test_socket_umdev_run_socket_mode_option_applied() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("gpu.sock");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "gpu", "--socket-mode", "640", "--socket"])
+        .arg(&sock)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The file exists a moment before its mode is set (bind, then chmod): poll for both.
+    let mut mode = None;
+    while mode != Some(0o640) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        mode = sock.exists().then(|| mode_of(&sock));
+    }
+    // SAFETY: sending SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait_with_output().unwrap().status;
+    assert_eq!(
+        mode,
+        Some(0o640),
+        "socket mode of umdev run --socket-mode 640"
+    );
+    assert!(status.success(), "umdev run exited with {status:?}");
+}
