@@ -1229,7 +1229,7 @@ fn test_hostile_huge_fdless_map_enospc_without_allocating() {
     let ts = TestServer::start();
     let mut c = RawClient::new_default(&ts.path);
     let rss0 = rss_kib();
-    for size in [0x9000600004000u64, 1 << 62, u64::MAX & !0xfff] {
+    for size in [0x9000600004000u64, 1 << 62, 1 << 50] {
         let iova: u64 = 0x80_0000;
         let Some(_) = iova.checked_add(size) else {
             continue;
