@@ -23,17 +23,17 @@ pub struct ServerConfig {
     pub max_data_xfer_size: u32,
     /// Most DMA maps advertised (the [`crate::dma::DmaSpace`] enforces its own limit).
     pub max_dma_maps: u32,
+    /// Most bytes one client may have DMA-mapped at once (sum of its map sizes; beyond it
+    /// DMA_MAP fails with ENOSPC). The DMA layer keeps bookkeeping proportional to the
+    /// mapped size even for fd-less maps, so this bounds what a client can make the server
+    /// allocate. Default 16 TiB.
+    pub max_dma_mapped_bytes: u64,
     /// DMA page size (mappings must be aligned to it).
     pub pgsize: u64,
     /// Offer twin-socket mode to clients that support it.
     pub twin_socket: bool,
     /// How long a server→client DMA_READ/DMA_WRITE waits for its reply.
     pub remote_dma_timeout: Duration,
-    /// Most bytes one client may have DMA-mapped at once (sum of its map sizes; beyond it
-    /// DMA_MAP fails with ENOSPC). The DMA layer keeps bookkeeping proportional to the
-    /// mapped size even for fd-less maps, so this bounds what a client can make the server
-    /// allocate. Default 16 TiB.
-    pub max_dma_mapped_bytes: u64,
 }
 
 impl ServerConfig {
@@ -45,10 +45,10 @@ impl ServerConfig {
             max_msg_fds: 16,
             max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
             max_dma_maps: DEFAULT_MAX_DMA_MAPS,
+            max_dma_mapped_bytes: DEFAULT_MAX_DMA_MAPPED_BYTES,
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),
-            max_dma_mapped_bytes: DEFAULT_MAX_DMA_MAPPED_BYTES,
         }
     }
 

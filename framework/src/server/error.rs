@@ -34,6 +34,15 @@ pub enum ServerError {
     /// The DMA layer refused the request.
     #[error("DMA: {0}")]
     Dma(#[source] DmaError),
+    /// A region/IRQ index or range outside what the device reports.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// A command before VERSION, or a second VERSION.
+    #[error("{0}")]
+    BadState(&'static str),
+    /// The server thread panicked.
+    #[error("server thread panicked")]
+    Panicked,
     /// A DMA_MAP would take the client past [`super::ServerConfig::max_dma_mapped_bytes`].
     #[error("DMA_MAP of {size:#x} bytes would exceed the mapped-bytes budget ({mapped:#x} of {max:#x} in use)")]
     DmaBudget {
@@ -44,15 +53,6 @@ pub enum ServerError {
         /// The budget.
         max: u64,
     },
-    /// A region/IRQ index or range outside what the device reports.
-    #[error("{0}")]
-    OutOfRange(String),
-    /// A command before VERSION, or a second VERSION.
-    #[error("{0}")]
-    BadState(&'static str),
-    /// The server thread panicked.
-    #[error("server thread panicked")]
-    Panicked,
 }
 
 impl ServerError {
@@ -63,11 +63,11 @@ impl ServerError {
             ServerError::Device(e) => nonzero(e.errno()),
             ServerError::Dma(e) => nonzero(e.errno()),
             ServerError::OutOfRange(_) | ServerError::BadState(_) => libc::EINVAL,
-            ServerError::DmaBudget { .. } => libc::ENOSPC,
             ServerError::Io { source, .. } => nonzero(source.raw_os_error().unwrap_or(libc::EIO)),
             ServerError::SocketInUse(_) => libc::EADDRINUSE,
             ServerError::NotASocket(_) => libc::EEXIST,
             ServerError::Panicked => libc::EIO,
+            ServerError::DmaBudget { .. } => libc::ENOSPC,
         }
     }
 
