@@ -222,3 +222,30 @@ fn test_socket_umdev_run_socket_mode_option_applied() {
     );
     assert!(status.success(), "umdev run exited with {status:?}");
 }
+
+#[test]
+fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_idle() {
+    let _g = serial();
+    let ts =
+        TestServer::start_with(|c| c.negotiation_timeout = std::time::Duration::from_millis(200));
+    // Connects and never says VERSION: disconnected, the slot is free again.
+    let t0 = std::time::Instant::now();
+    let silent = UnixStream::connect(&ts.path).unwrap();
+    assert!(closed_by_peer(&silent), "silent client kept");
+    let waited = t0.elapsed();
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "closed only after {waited:?}"
+    );
+    ts.wait_for("silent client torn down", |s| s.disconnects == 1);
+    // Half a header, then nothing: same.
+    let mut half = RawClient::connect(&ts.path);
+    half.send_raw(&raw_header(1, Command::Version as u16, 40, 0)[..8], &[]);
+    assert!(closed_by_peer(&half.stream), "half-header client kept");
+    ts.wait_for("half-header client torn down", |s| s.disconnects == 2);
+    // A negotiated client may stay idle for longer than the timeout.
+    let mut c = RawClient::new_default(&ts.path);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
+    assert_eq!(ts.state().disconnects, 2);
+}

@@ -219,6 +219,11 @@ impl Channel {
         }
     }
 
+    /// Bound every read on the main socket (`None`: wait forever); used until VERSION.
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.control.set_read_timeout(timeout)
+    }
+
     /// Mark the connection closed and fail every pending request.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);

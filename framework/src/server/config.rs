@@ -28,6 +28,11 @@ pub struct ServerConfig {
     /// mapped size even for fd-less maps, so this bounds what a client can make the server
     /// allocate. Default 16 TiB.
     pub max_dma_mapped_bytes: u64,
+    /// How long a new client may stay silent before its VERSION: each read before the
+    /// negotiation waits at most this long, then the client is disconnected (it would
+    /// otherwise hold the single client slot without ever using it). Default 10 s; zero
+    /// means no limit; no limit applies once VERSION is negotiated.
+    pub negotiation_timeout: Duration,
     /// DMA page size (mappings must be aligned to it).
     pub pgsize: u64,
     /// Offer twin-socket mode to clients that support it.
@@ -46,6 +51,7 @@ impl ServerConfig {
             max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
             max_dma_maps: DEFAULT_MAX_DMA_MAPS,
             max_dma_mapped_bytes: DEFAULT_MAX_DMA_MAPPED_BYTES,
+            negotiation_timeout: Duration::from_secs(10),
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),

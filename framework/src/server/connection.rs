@@ -221,6 +221,9 @@ impl Connection {
         self.dma
             .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone()))));
         self.negotiated = true;
+        if let Err(e) = self.chan.set_read_timeout(None) {
+            warn!(error = %e, "cannot lift the negotiation timeout");
+        }
         info!(
             client_minor = v.minor,
             max_data_xfer_size = n.max_data_xfer_size,
