@@ -249,3 +249,42 @@ fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_id
     assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
     assert_eq!(ts.state().disconnects, 2);
 }
+
+#[test]
+fn test_socket_bound_privately_no_leftovers_long_path_falls_back() {
+    let _g = serial();
+    common::init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dev.sock");
+    let s = spawn_at(&path).unwrap();
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["dev.sock".to_string()],
+        "leftovers of the private bind"
+    );
+    assert_eq!(mode_of(&path), 0o600);
+    let mut c = RawClient::new_default(&path);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    drop(c);
+    drop(s);
+    // A directory so deep that the private bind path would not fit in sun_path (108
+    // bytes) while the socket path itself does: plain bind + chmod.
+    let room = 100 - dir.path().as_os_str().len();
+    let deep = dir.path().join("d".repeat(room - 1));
+    std::fs::create_dir(&deep).unwrap();
+    let long = deep.join("s");
+    assert!(long.as_os_str().len() < 108);
+    let s = spawn_at(&long).unwrap();
+    assert_eq!(mode_of(&long), 0o600);
+    let mut c = RawClient::new_default(&long);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    drop(c);
+    drop(s);
+    assert_eq!(std::fs::read_dir(&deep).unwrap().count(), 0, "leftovers");
+    std::fs::remove_dir(&deep).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
