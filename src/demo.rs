@@ -13,9 +13,7 @@ use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::pci::PciAdapter;
 use umdev::server::{RunningServer, Server, ServerConfig};
 use umdev_cli::vmm::{wait_eventfd, Bar0, Vmm};
-use umdev_devices::ccw::driver::{
-    self as ccw, regs as ccw_regs, CcwWord, OperationBlock, StatusBlock,
-};
+use umdev_devices::ccw::driver::{self as ccw, regs as ccw_regs, CcwWord};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::commands::Command as GpuCmd;
 use umdev_devices::gpu::driver::Driver;
@@ -249,35 +247,6 @@ fn fill_pattern(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// Run one channel program: operation block at `opb`, program at `prog`, status at `status`.
-fn ccw_run(
-    vmm: &mut Vmm,
-    msi: &vmm_sys_util::eventfd::EventFd,
-    program: &[CcwWord],
-    block: u64,
-) -> Result<StatusBlock, Box<dyn std::error::Error>> {
-    let (opb, prog, status) = (RAM_BASE, RAM_BASE + 0x100, RAM_BASE + 0x80);
-    vmm.ram.write(prog, &ccw::encode_program(program))?;
-    let ob = OperationBlock {
-        program: prog,
-        block,
-        status,
-        flags: 0,
-        reserved: 0,
-    };
-    vmm.ram.write(opb, &ob.to_bytes())?;
-    vmm.write32(0, ccw_regs::OPB_ADDR_LO, opb as u32)?;
-    vmm.write32(0, ccw_regs::OPB_ADDR_HI, (opb >> 32) as u32)?;
-    vmm.write32(0, ccw_regs::START, 1)?;
-    if wait_eventfd(msi, Duration::from_secs(5)).is_none() {
-        return Err("no completion interrupt".into());
-    }
-    vmm.write32(0, ccw_regs::IRQ_STATUS, ccw_regs::IRQ_ALL)?;
-    let mut sb = [0u8; ccw::STATUS_BLOCK_SIZE];
-    vmm.ram.read(status, &mut sb)?;
-    Ok(StatusBlock::from_bytes(&sb))
-}
-
 fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
     let mut vmm = Vmm::connect(socket, RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
@@ -305,8 +274,7 @@ fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
         let idal = RAM_BASE + 0x1000;
         vmm.ram.write(idal, &ccw::encode_idaws(&src))?;
         let block = n as u64 * 64;
-        let st = ccw_run(
-            &mut vmm,
+        let st = vmm.run_ccw_program(
             &msi,
             &[CcwWord::write(len as u16, idal).ida(src.len() as u32)],
             block,
@@ -317,8 +285,7 @@ fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
             .map(|i| data_page(200 + (pages.len() as u64 - 1 - i) * 3))
             .collect();
         vmm.ram.write(idal, &ccw::encode_idaws(&dst))?;
-        let st = ccw_run(
-            &mut vmm,
+        let st = vmm.run_ccw_program(
             &msi,
             &[CcwWord::read(len as u16, idal).ida(dst.len() as u32)],
             block,

@@ -8,7 +8,12 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// umdev: user-space mediated devices served over vfio-user.
 #[derive(Parser, Debug)]
-#[command(name = "umdev", version, about, long_about = None)]
+#[command(
+    name = "umdev",
+    version,
+    about,
+    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nRUST_LOG=debug shows one line per vfio-user message."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

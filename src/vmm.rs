@@ -7,12 +7,16 @@
 //! production, so a newcomer can see a device work without either.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
-use std::ptr::NonNull;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umdev::device::{irq_index, region_index};
+use umdev::pci::SharedMemory;
+use umdev_devices::ccw::driver::{
+    self as ccw, regs as ccw_regs, CcwWord, OperationBlock, StatusBlock,
+};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// PCI command register bits the VMM sets: memory decoding and bus mastering.
@@ -31,54 +35,18 @@ fn other(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
 
-/// Guest RAM: a memfd mapped into this process and, with DMA_MAP, into the device.
+/// Guest RAM: shared memory (a sealed memfd, [`SharedMemory`]) mapped into this process and,
+/// with DMA_MAP, into the device.
 pub struct GuestRam {
-    fd: OwnedFd,
-    ptr: NonNull<u8>,
+    mem: SharedMemory,
     base: u64,
-    size: usize,
 }
-
-// SAFETY: the mapping is owned by this struct and only accessed through raw volatile-free
-// copies in `read`/`write`; moving it between threads is fine.
-unsafe impl Send for GuestRam {}
 
 impl GuestRam {
     /// `size` bytes of zeroed guest RAM at guest physical address `base`.
     pub fn new(base: u64, size: usize) -> io::Result<GuestRam> {
-        // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
-        let raw = unsafe { libc::memfd_create(c"umdev-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let len = libc::off_t::try_from(size).map_err(other)?;
-        // SAFETY: ftruncate on our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh shared mapping of our memfd; checked for MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| other("mmap returned null"))?;
-        Ok(GuestRam {
-            fd,
-            ptr,
-            base,
-            size,
-        })
+        let mem = SharedMemory::new("guest-ram", size as u64)?;
+        Ok(GuestRam { mem, base })
     }
 
     /// Guest physical address of the first byte.
@@ -88,51 +56,27 @@ impl GuestRam {
 
     /// Size in bytes.
     pub fn size(&self) -> usize {
-        self.size
+        self.mem.len() as usize
     }
 
     /// The memfd (for DMA_MAP).
-    pub fn fd(&self) -> &OwnedFd {
-        &self.fd
+    pub fn fd(&self) -> Arc<OwnedFd> {
+        self.mem.fd()
     }
 
-    fn offset(&self, gpa: u64, len: usize) -> io::Result<usize> {
-        let off = gpa
-            .checked_sub(self.base)
-            .and_then(|o| usize::try_from(o).ok())
-            .ok_or_else(|| other(format!("gpa {gpa:#x} below guest RAM")))?;
-        match off.checked_add(len) {
-            Some(end) if end <= self.size => Ok(off),
-            _ => Err(other(format!("gpa {gpa:#x}+{len:#x} past guest RAM"))),
-        }
+    fn offset(&self, gpa: u64) -> io::Result<u64> {
+        gpa.checked_sub(self.base)
+            .ok_or_else(|| other(format!("gpa {gpa:#x} below guest RAM")))
     }
 
     /// Copy `data` into guest RAM at `gpa`.
     pub fn write(&mut self, gpa: u64, data: &[u8]) -> io::Result<()> {
-        let off = self.offset(gpa, data.len())?;
-        // SAFETY: `off + data.len() <= size` was checked; the device may access the same
-        // memory concurrently, which a byte copy tolerates (no reference to it is formed).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(off), data.len())
-        };
-        Ok(())
+        self.mem.write_at(self.offset(gpa)?, data)
     }
 
     /// Copy guest RAM at `gpa` into `buf`.
     pub fn read(&self, gpa: u64, buf: &mut [u8]) -> io::Result<()> {
-        let off = self.offset(gpa, buf.len())?;
-        // SAFETY: bounds checked as in `write`; raw copy, no reference into shared memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), buf.as_mut_ptr(), buf.len())
-        };
-        Ok(())
-    }
-}
-
-impl Drop for GuestRam {
-    fn drop(&mut self) {
-        // SAFETY: unmapping the mapping created in `new`, exactly once.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.size) };
+        self.mem.read_at(self.offset(gpa)?, buf)
     }
 }
 
@@ -252,6 +196,41 @@ impl Vmm {
     /// True if the device has an MSI-X capability.
     pub fn has_msix(&mut self) -> io::Result<bool> {
         Ok(self.find_capability(PCI_CAP_ID_MSIX)?.is_some())
+    }
+}
+
+impl Vmm {
+    /// Act as the ccw guest driver: place `program`, an operation block and a status block
+    /// at the start of guest RAM (operation block at +0, status at +0x80, program at
+    /// +0x100), START it on `block`, wait for the completion interrupt on `irq`, acknowledge
+    /// it and return the status block the device stored.
+    pub fn run_ccw_program(
+        &mut self,
+        irq: &EventFd,
+        program: &[CcwWord],
+        block: u64,
+    ) -> io::Result<StatusBlock> {
+        let base = self.ram.base();
+        let (opb, status, prog) = (base, base + 0x80, base + 0x100);
+        self.ram.write(prog, &ccw::encode_program(program))?;
+        let ob = OperationBlock {
+            program: prog,
+            block,
+            status,
+            flags: 0,
+            reserved: 0,
+        };
+        self.ram.write(opb, &ob.to_bytes())?;
+        self.write32(0, ccw_regs::OPB_ADDR_LO, opb as u32)?;
+        self.write32(0, ccw_regs::OPB_ADDR_HI, (opb >> 32) as u32)?;
+        self.write32(0, ccw_regs::START, 1)?;
+        if wait_eventfd(irq, Duration::from_secs(5)).is_none() {
+            return Err(other("ccw: no completion interrupt within 5 s"));
+        }
+        self.write32(0, ccw_regs::IRQ_STATUS, ccw_regs::IRQ_ALL)?;
+        let mut sb = [0u8; ccw::STATUS_BLOCK_SIZE];
+        self.ram.read(status, &mut sb)?;
+        Ok(StatusBlock::from_bytes(&sb))
     }
 }
 

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 const PATTERNS: [&str; 5] = ["contiguous", "scattered", "ccw-like", "gvt-like", "random"];
 const POLICIES: [&str; 3] = ["translate", "lock", "populate"];
+const SIZES: [u64; 5] = [1, 8, 64, 512, 4096];
 
 fn umdev(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_umdev"))
@@ -47,13 +48,12 @@ fn test_bench_pin_quick_json_has_every_size_pattern_policy() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("pin.json");
     let svg = dir.path().join("pin.svg");
-    // --quick with smaller sizes keeps the test short; `--quick` alone is the < 60 s run.
+    // The default sizes (1..4096) with --quick; 3 samples and the 4 KiB backing only keep
+    // the test at a few seconds even in a debug build (`--quick` alone is the < 60 s run).
     let out = umdev(&[
         "bench",
         "pin",
         "--quick",
-        "--sizes",
-        "1,8,64",
         "--backings",
         "4k",
         "--samples",
@@ -81,10 +81,10 @@ fn test_bench_pin_quick_json_has_every_size_pattern_policy() {
     let samples = v["config"]["plan"]["samples"].as_u64().unwrap() as usize;
     assert_eq!(samples, 3);
     let cells = v["cells"].as_array().expect("cells");
-    assert_eq!(cells.len(), 3 * PATTERNS.len() * POLICIES.len());
+    assert_eq!(cells.len(), SIZES.len() * PATTERNS.len() * POLICIES.len());
     for policy in POLICIES {
         for pattern in PATTERNS {
-            for size in [1u64, 8, 64] {
+            for size in SIZES {
                 let what = format!("{policy} {pattern} {size}");
                 let cell = cells
                     .iter()
@@ -249,4 +249,104 @@ fn test_bench_wire_quick_json_has_every_row() {
     assert_eq!(v["bench"], "wire");
     // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
     assert_pair_rows(&v, 1, 5);
+}
+
+#[test]
+fn test_bench_record_both_devices_write_replayable_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    for (device, min_arrays) in [("gpu", 4), ("ccw", 4)] {
+        let trace = dir.path().join(format!("{device}.jsonl"));
+        let out = umdev(&[
+            "bench",
+            "record",
+            device,
+            "--steps",
+            "4",
+            "--out",
+            trace.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&trace).unwrap();
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("trace line is JSON"))
+            .collect();
+        assert!(
+            lines.len() >= min_arrays,
+            "{device}: {} arrays",
+            lines.len()
+        );
+        assert!(lines
+            .iter()
+            .all(|l| l["pfns"].as_array().is_some_and(|a| !a.is_empty())));
+        let json = dir.path().join(format!("{device}.json"));
+        let out = umdev(&[
+            "bench",
+            "pin",
+            "--quick",
+            "--quiet",
+            "--traces-only",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--backings",
+            "4k",
+            "--policies",
+            "translate",
+            "--samples",
+            "2",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v = read_json(&json);
+        let cells = v["cells"].as_array().unwrap();
+        assert!(!cells.is_empty());
+        assert!(cells
+            .iter()
+            .all(|c| c["pattern"] == format!("trace:{device}") && c["error"].is_null()));
+    }
+}
+
+#[test]
+fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("aa.json");
+    let out = umdev(&[
+        "bench",
+        "pin",
+        "--quick",
+        "--quiet",
+        "--self-check",
+        "--sizes",
+        "64",
+        "--patterns",
+        "contiguous",
+        "--backings",
+        "4k",
+        "--policies",
+        "lock",
+        "--samples",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = read_json(&json);
+    assert_eq!(v["config"]["self_check"], true);
+    let cell = &v["cells"][0];
+    // Both sides took the coalesced path: one mlock + one munlock per array.
+    assert_eq!(cell["coalesced"]["syscalls_per_array"].as_f64(), Some(2.0));
+    assert_eq!(cell["per_page"]["syscalls_per_array"].as_f64(), Some(2.0));
 }

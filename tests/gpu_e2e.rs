@@ -381,3 +381,46 @@ fn test_gpu_e2e_disconnect_releases_every_pin() {
     });
     assert_eq!(dma.stats().leaked_pins_released, 0);
 }
+
+#[test]
+fn test_gpu_e2e_device_reset_releases_pins_and_clears_registers() {
+    let mut s = Setup::start(PinPolicy::Lock);
+    draw_scene(&mut s);
+    assert_eq!(s.gpu.pins_held(), 11);
+    s.client().reset().unwrap();
+    assert_eq!(s.gpu.pins_held(), 0);
+    let st = s.stats();
+    assert_eq!((st.pinned_pages, st.locked_pages), (0, 0));
+    assert_eq!(s.drv.read(REG_MODE_CTRL).unwrap(), 0);
+    assert_eq!(s.drv.read(REG_RING_CTRL).unwrap(), 0);
+    assert_eq!(s.drv.read(GTT_BASE + 40 * 8).unwrap(), 0);
+    // The guest driver re-initialises and the device serves again.
+    s.drv.set_mode(W, H, W * 4).unwrap();
+    s.drv.setup_ring(RAM_BASE, RING_SIZE).unwrap();
+    let model = draw_scene(&mut s);
+    assert_eq!(s.screen_via_mmap(), model);
+}
+
+#[test]
+fn test_gpu_e2e_fence_fires_intx_without_msi() {
+    let mut s = Setup::start(PinPolicy::Translate);
+    let efd = EventFd::new(EFD_NONBLOCK).unwrap();
+    s.client()
+        .set_irqs(
+            0, // INTx
+            VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+            0,
+            1,
+            &[efd.as_raw_fd()],
+        )
+        .unwrap();
+    s.drv.enable_irqs(IRQ_FENCE).unwrap();
+    s.drv
+        .submit(&mut s.ram, &[Command::Fence { value: 0x1f }])
+        .unwrap();
+    s.drv.wait_fence(0x1f).unwrap();
+    assert!(wait_eventfd(&efd, Duration::from_secs(5)), "INTx eventfd");
+    assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), IRQ_FENCE);
+    s.drv.ack(IRQ_FENCE).unwrap();
+    assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), 0);
+}

@@ -4,6 +4,9 @@
 //! device answers with its documented error code (protocol-docs/devices/gpu.md), the server
 //! keeps serving (a following good operation works) and every pin is returned.
 
+mod common;
+#[path = "hostile_guest_rig/raw_vmm.rs"]
+mod raw_vmm;
 #[path = "hostile_guest_rig/mod.rs"]
 mod rig;
 
@@ -72,9 +75,13 @@ struct GpuVm {
 
 impl GpuVm {
     fn new(policy: PinPolicy) -> GpuVm {
+        GpuVm::with_lock_limit(policy, 4 << 20)
+    }
+
+    fn with_lock_limit(policy: PinPolicy, lock_limit: u64) -> GpuVm {
         let dma = DmaConfig {
             policy,
-            lock_limit_bytes: Some(4 << 20),
+            lock_limit_bytes: Some(lock_limit),
             ..DmaConfig::default()
         };
         let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
@@ -660,4 +667,264 @@ fn test_gpu_socket_own_framebuffer_mapped_as_guest_memory_readback_and_blit() {
     vm.served.assert_space_unpinned();
     vm.assert_serving();
     vm.assert_pins_return_to_zero(16);
+}
+
+/// Publish `cmds` at ring offset `tail` of a ring in the raw VMM's fd-less memory; returns
+/// the new tail after waiting until the device consumed them.
+fn fdless_submit(vmm: &mut raw_vmm::RawVmm, tail: u32, cmds: &[Command]) -> u32 {
+    let bytes = Command::encode_bytes(cmds);
+    let t = tail as usize;
+    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
+    let new_tail = tail + bytes.len() as u32;
+    vmm.write32(region_index::BAR0, REG_RING_TAIL, new_tail);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while vmm.read32(region_index::BAR0, REG_RING_HEAD) != new_tail {
+        assert!(std::time::Instant::now() < deadline, "ring head stuck");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    new_tail
+}
+
+fn fdless_setup(vmm: &mut raw_vmm::RawVmm) {
+    let bar = region_index::BAR0;
+    for (off, v) in [
+        (REG_MODE_CTRL, 0),
+        (REG_MODE_WIDTH, W),
+        (REG_MODE_HEIGHT, H),
+        (REG_MODE_STRIDE, W * 4),
+        (REG_MODE_FORMAT, FORMAT_XRGB8888),
+        (REG_MODE_CTRL, 1),
+        (REG_RING_CTRL, 0),
+        (REG_RING_BASE_LO, FDLESS_RING as u32),
+        (REG_RING_BASE_HI, (FDLESS_RING >> 32) as u32),
+        (REG_RING_SIZE, RING_SIZE),
+        (REG_RING_CTRL, 1),
+    ] {
+        vmm.write32(bar, off, v);
+    }
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 1);
+}
+
+const FDLESS_RING: u64 = 0x5000_0000;
+
+#[test]
+fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while_waiting() {
+    use raw_vmm::Answer;
+    let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
+    let timeout = Duration::from_millis(300);
+    let served = Served::start(
+        gpu,
+        DmaConfig::default(),
+        tempfile::tempdir().unwrap(),
+        |c| c.remote_dma_timeout = timeout,
+    );
+    let c = common::RawClient::new_default(&served.path);
+    let mut vmm = raw_vmm::RawVmm::new(c, FDLESS_RING, RING_SIZE as usize);
+    assert_eq!(vmm.map(FDLESS_RING, u64::from(RING_SIZE), None), 0);
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    fdless_setup(&mut vmm);
+    let bar = region_index::BAR0;
+    let mut tail = 0;
+    for (round, answer) in [
+        Answer::Honest,
+        Answer::Errors,
+        Answer::Silent,
+        Answer::Honest,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        vmm.answer = answer;
+        let color = 0x0030_0000 + round as u32;
+        let before = vmm.requests;
+        let fill = Command::FillRect {
+            x: 0,
+            y: 0,
+            w: 1,
+            h: 1,
+            color,
+        };
+        tail = fdless_submit(&mut vmm, tail, &[fill, Command::Fence { value: color }]);
+        assert!(vmm.requests > before, "{answer:?}: no DMA_READ");
+        let got = served.device().device().pixel(0, 0);
+        if answer == Answer::Honest {
+            assert_eq!(got, Some(color), "{answer:?}");
+            assert_eq!(vmm.read32(bar, REG_FENCE_VALUE), color);
+        } else {
+            assert_ne!(
+                got,
+                Some(color),
+                "{answer:?}: commands ran without ring data"
+            );
+            assert_eq!(
+                vmm.read32(bar, REG_ERROR_CODE),
+                ERR_RING_FAULT,
+                "{answer:?}"
+            );
+            vmm.write32(bar, REG_IRQ_ACK, IRQ_ALL);
+        }
+    }
+    // Reset while the worker waits for a DMA_READ the VMM never answers: bounded by the
+    // remote DMA timeout, then the device is back at reset values and works again.
+    vmm.answer = Answer::Silent;
+    let bytes = Command::encode_bytes(&[Command::Nop]);
+    let t = tail as usize;
+    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
+    vmm.write32(bar, REG_RING_TAIL, tail + 4);
+    let started = std::time::Instant::now();
+    let m = vmm.call(umdev::protocol::Command::DeviceReset, &[], &[]);
+    assert!(!m.header.is_error(), "reset errno {}", m.header.error);
+    assert!(
+        started.elapsed() < timeout + Duration::from_secs(3),
+        "reset took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 0);
+    vmm.answer = Answer::Honest;
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    fdless_setup(&mut vmm);
+    let fill = Command::FillRect {
+        x: 1,
+        y: 1,
+        w: 1,
+        h: 1,
+        color: 0x77,
+    };
+    fdless_submit(&mut vmm, 0, &[fill]);
+    assert_eq!(served.device().device().pixel(1, 1), Some(0x77));
+    assert_eq!(served.device().device().pins_held(), 0);
+    served.assert_space_unpinned();
+}
+
+#[test]
+fn test_gpu_socket_lock_limit_gtt_fault_nothing_pinned_by_failed_blit() {
+    // 9 pages of locked memory: an 8-page surface (+ the health page) fits, 16 do not.
+    let mut vm = GpuVm::with_lock_limit(PinPolicy::Lock, 9 * 4096);
+    for i in 0..16 {
+        vm.drv
+            .set_gtt(i, SURF_GPA + u64::from(i) * 4096, false)
+            .unwrap();
+    }
+    vm.run_expect(&[blit(0, 4, 16)], ERR_GTT_FAULT);
+    assert_eq!(vm.pins_held(), 0);
+    vm.served.assert_space_unpinned();
+    vm.run(&[blit(0, 4, 8)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pins_held(), 8);
+    let s = vm.served.dma.stats();
+    assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
+    // Entries 8..16 need 8 more pages: refused, the first 8 stay exactly as they were.
+    vm.run_expect(&[blit(8, 4, 8)], ERR_GTT_FAULT);
+    assert_eq!(vm.pins_held(), 8);
+    let s = vm.served.dma.stats();
+    assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
+    vm.served.dma.check_invariants().unwrap();
+    // Dropping the first surface frees the budget for the second.
+    vm.drv.clear_gtt(0, 8).unwrap();
+    vm.run(&[blit(8, 4, 8)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.served.dma.stats().locked_pages, 8);
+    vm.drv.clear_gtt(8, 8).unwrap();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(16);
+}
+
+#[test]
+fn test_gpu_socket_random_config_space_writes_keep_serving() {
+    let mut vm = GpuVm::new(PinPolicy::Lock);
+    let mut rng = Rng::new(77);
+    let mut refused = 0;
+    for step in 0..1500 {
+        let off = if rng.chance(50) {
+            rng.pick(&[
+                0x04u64, 0x06, 0x0c, 0x10, 0x14, 0x18, 0x1c, 0x20, 0x24, 0x30, 0x3c, 0x3d,
+            ])
+        } else {
+            rng.below(256)
+        };
+        let size = rng.pick(&[1usize, 2, 4]).min((256 - off) as usize);
+        let v = rng.next().to_le_bytes();
+        if vm
+            .client()
+            .region_write(region_index::CONFIG, off, &v[..size])
+            .is_err()
+        {
+            refused += 1;
+        }
+        if step % 100 == 0 {
+            // Whatever the guest did to its config space, the socket still answers.
+            let mut b = [0u8; 4];
+            vm.client()
+                .region_read(region_index::CONFIG, 0, &mut b)
+                .unwrap();
+            assert_eq!(u32::from_le_bytes(b), 0x5547_1234, "vendor/device changed");
+        }
+    }
+    eprintln!("config storm: {refused} writes refused");
+    // The guest driver re-enables the device and carries on.
+    enable_device(vm.client());
+    assert_eq!(vm.reg(REG_ID), ID_MAGIC);
+    vm.drv.ack(IRQ_ALL).unwrap();
+    vm.drv.set_mode(W, H, W * 4).unwrap();
+    vm.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(0);
+}
+
+#[test]
+fn test_gpu_socket_refused_pin_upgrade_keeps_read_only_pins_exactly() {
+    let mut vm = GpuVm::new(PinPolicy::Lock);
+    // Entry 0 in RW memory, entry 1 in read-only memory, both marked WRITABLE.
+    vm.drv.set_gtt(0, SURF_GPA, true).unwrap();
+    vm.drv.set_gtt(1, RO_GPA, true).unwrap();
+    vm.run(&[blit(0, 4, 2)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pins_held(), 2);
+    let before = vm.served.dma.stats();
+    assert_eq!((before.pinned_pages, before.locked_pages), (2, 2));
+    // READBACK needs both writable: the upgrade of entry 1 is refused as a whole.
+    vm.run_expect(&[readback(0, 4, 2)], ERR_GTT_FAULT);
+    assert_eq!(
+        vm.pins_held(),
+        2,
+        "read-only pins lost by the failed upgrade"
+    );
+    let after = vm.served.dma.stats();
+    assert_eq!(
+        (after.pinned_pages, after.locked_pages),
+        (2, 2),
+        "{before:?} -> {after:?}"
+    );
+    vm.served.dma.check_invariants().unwrap();
+    // The read-only pins still serve blits.
+    vm.run(&[blit(0, 4, 2)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(2);
+}
+
+#[test]
+fn test_gpu_socket_vmm_shrinks_pinned_memfd_server_survives() {
+    // A hostile VMM truncates guest memory the GPU has pinned: the next blit touches pages
+    // that no longer exist. The server must not die (SIGBUS); the device reads zeros.
+    let mut vm = GpuVm::new(PinPolicy::Translate);
+    const GPA: u64 = 0x6000_0000;
+    let mem = rig::memfd(16 * 4096);
+    std::os::unix::fs::FileExt::write_all_at(&mem, &[0x77; 16 * 4096], 0).unwrap();
+    let dma = vm.served.dma.clone();
+    rig::client_map(vm.client(), &dma, &mem, 0, GPA, 16 * 4096);
+    for i in 0..4 {
+        vm.drv.set_gtt(i, GPA + u64::from(i) * 4096, true).unwrap();
+    }
+    vm.run(&[blit(0, 4, 4)]);
+    assert_eq!(vm.take_error(), (ERR_NONE, 0));
+    assert_eq!(vm.pixel(3, 3), Some(0x7777_7777));
+    mem.set_len(0).unwrap();
+    vm.run(&[blit(0, 4, 4), readback(0, 4, 4)]);
+    assert_eq!(vm.pixel(3, 3), Some(0), "vanished pages read as zeros");
+    vm.client().dma_unmap(GPA, 16 * 4096).unwrap();
+    assert_eq!(vm.pins_held(), 0);
+    vm.served.assert_space_unpinned();
+    vm.assert_serving();
+    vm.assert_pins_return_to_zero(4);
 }

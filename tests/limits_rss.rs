@@ -53,6 +53,7 @@ fn test_limits_10000_map_unmap_cycles_keep_rss_and_fds_bounded() {
             0,
             &DmaUnmapRequest {
                 argsz: 24,
+                all: false,
                 iova,
                 size: 16 * PAGE_SIZE,
             }
@@ -74,7 +75,13 @@ fn test_limits_10000_map_unmap_cycles_keep_rss_and_fds_bounded() {
         "10000 map/unmap cycles in {:?}: RSS {rss0} KiB -> {rss1} KiB, fds {fds0} -> {fds1}",
         t.elapsed()
     );
-    assert_eq!(fds1, fds0, "fds leaked");
+    assert!(
+        fds1 == fds0
+            || rig::wait_until(std::time::Duration::from_secs(2), || rig::open_fds()
+                == fds0),
+        "fds leaked: {fds0} -> {}",
+        rig::open_fds()
+    );
     assert!(
         rss1 < rss0 + 2048,
         "RSS grew by {} KiB over 10000 cycles",

@@ -7,6 +7,9 @@
 //! the DMA accounting return to zero at the end, and nothing had to be force-released (the
 //! devices honour the unmap notifier).
 
+mod common;
+#[path = "hostile_guest_rig/raw_vmm.rs"]
+mod raw_vmm;
 #[path = "hostile_guest_rig/mod.rs"]
 mod rig;
 
@@ -412,4 +415,88 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
     data.read_exact_at(&mut b, 0).unwrap();
     assert!(b.iter().all(|&x| x == 0x5a), "image data not read");
     served.assert_space_unpinned();
+}
+
+#[test]
+fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
+    use raw_vmm::{Answer, RawVmm};
+    const FDLESS: u64 = 0x8000_0000;
+    const SIZE: u64 = 64 * 1024;
+    let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
+    let served = Served::start(
+        gpu,
+        DmaConfig::default(),
+        tempfile::tempdir().unwrap(),
+        |_| {},
+    );
+    // Small transfers: a 64 KiB device write becomes 16 DMA_WRITE round trips.
+    let caps = r#"{"capabilities":{"max_msg_fds":16,"max_data_xfer_size":4096,"pgsizes":4096,"max_dma_maps":65535}}"#;
+    let (c, _) = common::RawClient::negotiated(&served.path, caps);
+    let mut vmm = RawVmm::new(c, FDLESS, SIZE as usize);
+    vmm.answer = Answer::Honest;
+    for round in 0..6 {
+        assert_eq!(vmm.map(FDLESS, SIZE, None), 0);
+        let h = served.dma.handle();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let device = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let data = vec![0xab; SIZE as usize];
+                let mut buf = vec![0u8; SIZE as usize];
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    i += 1;
+                    let _ = if i.is_multiple_of(2) {
+                        h.write(FDLESS, &data)
+                    } else {
+                        h.read(FDLESS, &mut buf)
+                    };
+                    std::thread::yield_now();
+                }
+            })
+        };
+        // Let the device's transfers get going, then unmap in the middle of them.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while vmm.requests < 8 * (round + 1) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "device thread never ran"
+            );
+            vmm.read32(region_index::BAR0, 0);
+        }
+        let p = umdev::protocol::dma_map::DmaUnmapRequest {
+            argsz: 24,
+            all: false,
+            iova: FDLESS,
+            size: SIZE,
+        }
+        .encode();
+        let m = vmm.call(umdev::protocol::Command::DmaUnmap, &p, &[]);
+        assert!(!m.header.is_error(), "unmap errno {}", m.header.error);
+        let at_reply = vmm.log.len();
+        // Keep serving for a while: the device must not ask for the unmapped range again.
+        for _ in 0..50 {
+            vmm.read32(region_index::BAR0, 0);
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !device.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "device thread did not stop"
+            );
+            vmm.read32(region_index::BAR0, 0);
+        }
+        device.join().unwrap();
+        let late: Vec<_> = vmm.log[at_reply..]
+            .iter()
+            .filter(|&&(_, iova, _)| (FDLESS..FDLESS + SIZE).contains(&iova))
+            .collect();
+        assert!(
+            late.is_empty(),
+            "round {round}: {} DMA requests for the range after its DMA_UNMAP reply, first {:x?}",
+            late.len(),
+            late[0]
+        );
+    }
 }

@@ -176,12 +176,19 @@ fn test_client_second_simultaneous_client_refused_first_unaffected() {
     use std::io::Read;
     let ts = TestServer::start();
     let mut first = Client::new(&ts.path).unwrap();
-    let mut second = std::os::unix::net::UnixStream::connect(&ts.path).unwrap();
+    let mut second = common::RawClient::connect(&ts.path);
+    let errno = second.expect_error(
+        umdev::protocol::Command::Version as u16,
+        b"\0\0\0\0{}\0",
+        &[],
+    );
+    assert_eq!(errno, libc::EBUSY as u32);
     second
+        .stream
         .set_read_timeout(Some(Duration::from_secs(3)))
         .unwrap();
     let mut b = [0u8; 1];
-    assert_eq!(second.read(&mut b).unwrap(), 0, "second client is closed");
+    assert_eq!(second.stream.read(&mut b).unwrap(), 0, "then it is closed");
     let mut buf = [0u8; 4];
     first.region_read(0, 0, &mut buf).unwrap();
 }

@@ -160,6 +160,32 @@ fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
 }
 
 #[test]
+fn test_raw_fdless_dma_qemu_client_gets_qemu_layout() {
+    let ts = TestServer::start();
+    let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);
+    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    mem.qemu_layout = true;
+    map_fdless(&mut c, 0x40_0000, 0x2000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        handle.write(0x40_0100, b"qemu layout")?;
+        let mut buf = [0u8; 24];
+        handle.read(0x40_00f8, &mut buf).map(|_| buf)
+    });
+    while mem.reads < 1 {
+        let m = c.recv();
+        assert!(
+            RawClient::serve_on(&c.stream, &m, &mut mem),
+            "unexpected message"
+        );
+    }
+    let buf = worker.join().unwrap().expect("worker DMA");
+    assert_eq!(&mem.bytes[0x100..0x10b], b"qemu layout");
+    assert_eq!(&buf[8..19], b"qemu layout");
+    assert_eq!(buf[..8].to_vec(), mem.bytes[0xf8..0x100].to_vec());
+}
+
+#[test]
 fn test_raw_fdless_dma_client_error_reaches_device() {
     let ts = TestServer::start();
     let mut c = RawClient::new_default(&ts.path);
@@ -318,4 +344,47 @@ fn test_raw_default_caps_write_multiple_negotiated() {
     let ts = TestServer::start();
     let (_c, reply) = RawClient::negotiated(&ts.path, DEFAULT_CAPS);
     assert!(Version::decode(&reply.payload).unwrap().caps.write_multiple);
+}
+
+#[test]
+fn test_raw_device_panic_answers_eio_and_ends_only_that_connection() {
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let m = c.region_write(0, REG_PANIC, &[1, 0, 0, 0], 0).unwrap();
+    assert!(m.header.is_error());
+    assert_eq!(m.header.error, libc::EIO as u32);
+    ts.wait_for("teardown after the panic", |s| s.disconnects == 1);
+    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(c.region_read(7, 0, 2), vec![0, 1], "server still serves");
+}
+
+#[test]
+fn test_raw_dma_unmap_flag_all_removes_every_map() {
+    use umdev::protocol::wire::Put;
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let mem = common::memfd(0x4000);
+    for iova in [0x10_0000u64, 0x20_0000] {
+        let m = DmaMapRequest {
+            flags: 3,
+            offset: 0,
+            iova,
+            size: 0x4000,
+        };
+        let r = c.call(Command::DmaMap as u16, 0, &m.encode(), &[mem.as_raw_fd()]);
+        assert!(!r.header.is_error());
+    }
+    map_fdless(&mut c, 0x30_0000, 0x1000);
+    assert_eq!(ts.dma.stats().maps, 3);
+    // QEMU's unmap_all: flags VFIO_DMA_UNMAP_FLAG_ALL, iova 0, size 0.
+    let mut p = Vec::new();
+    p.put_u32(24);
+    p.put_u32(2);
+    p.put_u64(0);
+    p.put_u64(0);
+    let r = c.call(Command::DmaUnmap as u16, 0, &p, &[]);
+    assert!(!r.header.is_error(), "errno {}", r.header.error);
+    assert_eq!(r.payload, p, "the entry is echoed");
+    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.state().unmaps.len(), 3, "device notified for each map");
 }

@@ -118,7 +118,9 @@ fn draw_scene(rig: &mut Rig) -> Model {
     m.copy(200, 100, 0, 180, 60, 60);
     m.blit_pattern(100, 50, 150, 20);
     m.blit_pattern(64, 64, 240, 150);
-    rig.run_fenced(&cmds, 1);
+    // A fence value not seen before, so the wait cannot return early.
+    let fence = rig.drv.read(REG_FENCE_VALUE).unwrap() + 1;
+    rig.run_fenced(&cmds, fence);
     m
 }
 
@@ -478,4 +480,44 @@ fn test_demo_scene_draws_surface_and_frame() {
     assert_eq!(rig.gpu().pixel(0, 0), Some(0xff_c000));
     assert_eq!(rig.gpu().pins_held(), SURFACE_PAGES);
     rig.assert_no_pins_after_gtt_clear();
+}
+
+/// Blit a 16-page surface (256×64, stride 1024) mapped at GTT entry 0 from `pages`;
+/// returns the residency syscalls its pinning and its release (one batch GTT invalidation)
+/// cost under `PinPolicy::Lock`.
+fn lock_syscalls_for_surface(pages: &[u64]) -> (u64, u64) {
+    let mut rig = Rig::new(PinPolicy::Lock);
+    rig.map_gtt(0, pages, false);
+    let before = rig.space.stats().residency_syscalls;
+    rig.run_fenced(
+        &[Command::Blit {
+            gtt_index: 0,
+            stride: 1024,
+            w: 256,
+            h: 64,
+            dst_x: 0,
+            dst_y: 0,
+        }],
+        1,
+    );
+    let pin_cost = rig.space.stats().residency_syscalls - before;
+    assert_eq!(rig.space.stats().locked_pages, 16);
+    let before = rig.space.stats().residency_syscalls;
+    rig.assert_no_pins_after_gtt_clear();
+    (pin_cost, rig.space.stats().residency_syscalls - before)
+}
+
+#[test]
+fn test_contiguous_surface_pins_as_one_run_scattered_as_many() {
+    // 256×64 pixels, stride 1024: 64 KiB = 16 GTT pages pinned in one array call.
+    let contiguous: Vec<u64> = (0..16).map(|k| SURFACE_GPA + k * 4096).collect();
+    let scattered: Vec<u64> = (0..16).map(|k| SURFACE_GPA + k * 2 * 4096).collect();
+    let one_run = lock_syscalls_for_surface(&contiguous);
+    let many_runs = lock_syscalls_for_surface(&scattered);
+    assert_eq!(
+        one_run,
+        (1, 1),
+        "contiguous surface: one mlock, one munlock"
+    );
+    assert_eq!(many_runs, (16, 16), "scattered surface: one per page");
 }

@@ -128,3 +128,41 @@ fn test_dirty_region_mapped_after_start_is_logged() {
         .unwrap();
     assert_eq!(bits(&bm, 16), vec![10]);
 }
+
+#[test]
+fn test_dirty_unmap_all_stops_logging_for_next_client() {
+    let s = space(PinPolicy::Translate, 0);
+    map_pages(&s, 0, 4, Prot::RW);
+    s.dirty_start(PAGE_SIZE, &[]).unwrap();
+    s.unmap_all(&mut no_notify());
+    // A reconnecting client can start logging again.
+    map_pages(&s, 0, 4, Prot::RW);
+    s.dirty_start(PAGE_SIZE, &[]).unwrap();
+    let mut bm = [0u8; 1];
+    s.dirty_report(0, 4 * PAGE_SIZE, PAGE_SIZE, &mut bm)
+        .unwrap();
+    assert_eq!(bm[0], 0);
+}
+
+#[test]
+fn test_dirty_smaller_report_pgsize_replicates_and_keeps_edge_bits() {
+    let s = space(PinPolicy::Translate, 0);
+    map_pages(&s, 0, 16, Prot::RW);
+    let h = s.handle();
+    // Track at 16 KiB, report at 4 KiB.
+    s.dirty_start(4 * PAGE_SIZE, &[]).unwrap();
+    h.write(5 * PAGE_SIZE, &[1]).unwrap(); // tracked page 1 = 4 KiB pages 4..8
+    let mut bm = [0u8; 1];
+    // A report over pages 6..8 covers only half of tracked page 1: reported, not cleared.
+    s.dirty_report(6 * PAGE_SIZE, 2 * PAGE_SIZE, PAGE_SIZE, &mut bm)
+        .unwrap();
+    assert_eq!(bits(&bm, 2), vec![0, 1]);
+    let mut bm = [0u8; 2];
+    s.dirty_report(0, 16 * PAGE_SIZE, PAGE_SIZE, &mut bm)
+        .unwrap();
+    assert_eq!(bits(&bm, 16), vec![4, 5, 6, 7]);
+    // Now it was wholly inside a report: cleared.
+    s.dirty_report(0, 16 * PAGE_SIZE, PAGE_SIZE, &mut bm)
+        .unwrap();
+    assert_eq!(bits(&bm, 16), Vec::<usize>::new());
+}

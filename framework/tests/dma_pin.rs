@@ -359,3 +359,33 @@ fn test_map_20k_small_regions_lookup_and_unmap_correct() {
     assert_eq!(report.maps_removed, n / 2);
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn test_huge_fdless_mapping_allocates_no_pin_or_dirty_state() {
+    // A client may record a 1 PiB fd-less mapping: nothing per page may be allocated.
+    let s = space(PinPolicy::Translate, 0);
+    s.map(DmaMapping {
+        iova: 1 << 52,
+        size: 1 << 50,
+        prot: Prot::RW,
+        fd: None,
+        offset: 0,
+    })
+    .unwrap();
+    s.dirty_start(PAGE_SIZE, &[]).unwrap();
+    let h = s.handle();
+    let mut a = [0u64; 1];
+    assert!(matches!(
+        h.pin_pages(&[(1 << 40) + 5], Prot::READ, &mut a),
+        Err(DmaError::FdLess { .. })
+    ));
+    assert!(matches!(
+        h.unpin_pages(&[(1 << 40) + 5]),
+        Err(DmaError::NotPinned { .. })
+    ));
+    let mut bm = [0u8; 1];
+    s.dirty_report(1 << 52, 8 * PAGE_SIZE, PAGE_SIZE, &mut bm)
+        .unwrap();
+    assert_eq!(bm[0], 0);
+    s.unmap(1 << 52, 1 << 50, &mut no_notify()).unwrap();
+}

@@ -45,6 +45,8 @@ enum Op {
         off: u64,
         len: usize,
     },
+    /// DMA_LOGGING_REPORT of the whole slot range.
+    Report,
 }
 
 fn pfns_strategy() -> impl Strategy<Value = Vec<u64>> {
@@ -68,6 +70,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(off, len, byte)| Op::Write { off, len, byte }),
         1 => (0..SLOTS * SLOT_PAGES * PAGE_SIZE, 1usize..3 * PAGE_SIZE as usize)
             .prop_map(|(off, len)| Op::Read { off, len }),
+        1 => Just(Op::Report),
     ]
 }
 
@@ -153,6 +156,8 @@ fn check_addrs(h: &DmaHandle, pfns: &[u64], addrs: &[u64]) -> Result<(), TestCas
 fn run(policy: PinPolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let (sa, ha) = new_space(policy);
     let (sb, hb) = new_space(policy);
+    sa.dirty_start(PAGE_SIZE, &[]).unwrap();
+    sb.dirty_start(PAGE_SIZE, &[]).unwrap();
     // Model: refcount per pfn, and which slots are mapped (npages).
     let mut model: HashMap<u64, u64> = HashMap::new();
     let mut mapped: HashMap<u64, u64> = HashMap::new();
@@ -247,6 +252,14 @@ fn run(policy: PinPolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 if ra.is_ok() {
                     prop_assert_eq!(ba, bb);
                 }
+            }
+            Op::Report => {
+                let size = SLOTS * SLOT_PAGES * PAGE_SIZE;
+                let mut ba = vec![0u8; (SLOTS * SLOT_PAGES / 8) as usize];
+                let mut bb = ba.clone();
+                sa.dirty_report(0, size, PAGE_SIZE, &mut ba).unwrap();
+                sb.dirty_report(0, size, PAGE_SIZE, &mut bb).unwrap();
+                prop_assert_eq!(&ba, &bb);
             }
         }
         let (a, b) = (sa.stats(), sb.stats());

@@ -290,3 +290,68 @@ fn test_stress_lock_pins_and_rw_racing_unmap_never_touch_unmapped_memory() {
 fn test_stress_translate_pins_and_rw_racing_unmap_never_touch_unmapped_memory() {
     stress(PinPolicy::Translate, 300);
 }
+
+#[test]
+fn test_stress_device_ignoring_notifier_writes_scratch_never_unmapped_memory() {
+    // A buggy device keeps writing through its pinned host addresses after the unmap: umdev
+    // force-releases its pins and swaps the range for scratch memory, so the client's memory
+    // (poisoned after the unmap returned) never changes.
+    let space = DmaSpace::new(DmaConfig {
+        policy: PinPolicy::Lock,
+        lock_limit_bytes: Some(1 << 20),
+        ..DmaConfig::default()
+    });
+    for round in 0..4u64 {
+        let file = map_slot(&space, 0);
+        let h = space.handle();
+        let pfns: Vec<u64> = (BASE_PFN..BASE_PFN + SLOT_PAGES).collect();
+        let mut addrs = [0u64; SLOT_PAGES as usize];
+        h.pin_pages(&pfns, Prot::RW, &mut addrs).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(AtomicU64::new(0));
+        let writer = {
+            let (h, stop, progress) = (h.clone(), stop.clone(), progress.clone());
+            thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(SeqCst) {
+                    for &a in &addrs {
+                        // SAFETY: the buggy device's pins; umdev keeps the addresses mapped
+                        // (client memory, then scratch) for the space's lifetime.
+                        let page = unsafe { h.pinned_slice(a, PAGE_SIZE as usize) };
+                        page.write_obj(0x42u8, (n % PAGE_SIZE) as usize).unwrap();
+                    }
+                    n += 1;
+                    progress.store(n, SeqCst);
+                }
+            })
+        };
+        // Wait for the writer to be running (however loaded the machine), then unmap under it.
+        let wait_for = |n: u64| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while progress.load(SeqCst) < n {
+                assert!(Instant::now() < deadline, "writer thread does not run");
+                thread::yield_now();
+            }
+        };
+        wait_for(10);
+        let report = space
+            .unmap(slot_iova(0), SLOT_PAGES * PAGE_SIZE, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(report.leftover_pins, SLOT_PAGES, "round {round}");
+        poison(&file);
+        // Many more writes through the stale addresses after the unmap returned.
+        wait_for(progress.load(SeqCst) + 200);
+        stop.store(true, SeqCst);
+        writer.join().unwrap();
+        assert_still_poisoned(&file, &format!("round {round}"));
+        // The device's late unpin is refused, without underflowing anything.
+        assert!(matches!(
+            h.unpin_pages(&pfns),
+            Err(DmaError::NotMapped { .. }) | Err(DmaError::NotPinned { .. })
+        ));
+        let s = space.stats();
+        assert_eq!((s.pinned_pages, s.locked_pages, s.maps), (0, 0, 0), "{s:?}");
+        assert_eq!(s.leaked_pins_released, (round + 1) * SLOT_PAGES);
+        space.check_invariants().unwrap();
+    }
+}

@@ -102,7 +102,7 @@ fn test_edges_run_half_already_pinned_counts_only_new_pages_against_limit() {
     let s = space(PinPolicy::Lock, 16);
     map_pages(&s, PFN, 64, Prot::RW);
     let h = s.handle();
-    let mut addrs = vec![0u64; 32];
+    let mut addrs = [0u64; 32];
     let odd: Vec<u64> = (0..16).filter(|i| i % 2 == 1).map(|i| PFN + i).collect();
     h.pin_pages(&odd, Prot::RW, &mut addrs[..8]).unwrap();
     assert_eq!(counts(&s), (8, 8));
@@ -138,7 +138,7 @@ fn test_edges_run_across_adjacent_mappings_with_partial_pins_counts_exactly() {
     map_pages(&s, PFN, 8, Prot::RW);
     map_pages(&s, PFN + 8, 8, Prot::RW);
     let h = s.handle();
-    let mut addrs = vec![0u64; 16];
+    let mut addrs = [0u64; 16];
     h.pin_pages(&range(6, 10), Prot::RW, &mut addrs[..4])
         .unwrap();
     assert_eq!(counts(&s), (4, 4));

@@ -5,6 +5,7 @@
 //! - `umdev bench dma`: `DmaHandle::read`/`write` against plain memcpy on the same memory and a
 //!   lookup-per-call path ([`dma`]).
 //! - `umdev bench wire`: vfio-user message round trips through a real socket ([`wire`]).
+//! - `umdev bench record`: record the pin arrays an example device issues ([`record`]).
 //!
 //! Shared pieces: array [`patterns`], recorded pin [`trace`]s, page [`backing`], the
 //! interleaved [`sampler`], [`stats`], the terminal/JSON [`report`], the SVG [`plot`],
@@ -19,6 +20,7 @@ pub mod pin;
 pub mod plot;
 pub mod progress;
 pub mod raw_client;
+pub mod record;
 pub mod report;
 pub mod rng;
 pub mod sampler;
@@ -60,6 +62,8 @@ pub enum BenchCommand {
     Dma(Box<dma::DmaArgs>),
     /// vfio-user message round trips through a real socket.
     Wire(Box<wire::WireArgs>),
+    /// Record the pin arrays an example device issues under a workload (for `pin --trace`).
+    Record(Box<record::RecordArgs>),
 }
 
 /// Entry point of `umdev bench`.
@@ -68,5 +72,6 @@ pub fn run(args: BenchArgs) -> CliResult {
         BenchCommand::Pin(a) => pin::run(*a),
         BenchCommand::Dma(a) => dma::run(*a),
         BenchCommand::Wire(a) => wire::run(*a),
+        BenchCommand::Record(a) => record::run(*a),
     }
 }

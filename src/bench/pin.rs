@@ -21,8 +21,8 @@ use super::machine;
 use super::patterns::{generate, runs, Pattern};
 use super::progress::{Progress, ProgressMode};
 use super::report::{
-    pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo, VariantResult,
-    PIN_SCHEMA,
+    paired_ratio, pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
+    VariantResult, PIN_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
 use super::trace::{compact, read_trace};
@@ -106,6 +106,10 @@ pub struct PinArgs {
     /// Seed of the seeded patterns.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
+    /// A/A check of the harness: run the coalesced path on both sides (every ratio should
+    /// then be 1.00 within noise).
+    #[arg(long)]
+    pub self_check: bool,
     /// Output options.
     #[command(flatten)]
     pub out: OutputArgs,
@@ -253,7 +257,7 @@ fn cross_check(h: &DmaHandle, w: &Work) -> Result<(), String> {
     Ok(())
 }
 
-fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan) -> PinCellResult {
+fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinCellResult {
     cross_check(h, w)?;
     let mut bufs_a: Vec<Vec<u64>> = w.arrays.iter().map(|(a, _)| vec![0; a.len()]).collect();
     let mut bufs_b = bufs_a.clone();
@@ -267,8 +271,14 @@ fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan) -> PinCellResult {
     let mut per_page = || -> Result<(), DmaError> {
         let naive = h.naive();
         for ((a, prot), buf) in w.arrays.iter().zip(bufs_b.iter_mut()) {
-            naive.pin_pages(a, *prot, buf)?;
-            naive.unpin_pages(a)?;
+            if self_check {
+                // A/A: the same path on both sides; the ratio shows the harness's own bias.
+                h.pin_pages(a, *prot, buf)?;
+                h.unpin_pages(a)?;
+            } else {
+                naive.pin_pages(a, *prot, buf)?;
+                naive.unpin_pages(a)?;
+            }
         }
         Ok(())
     };
@@ -291,6 +301,7 @@ type PinCellResult = Result<(VariantResult, VariantResult), String>;
 
 /// What every policy run shares.
 struct RunCtx<'a> {
+    self_check: bool,
     region_bytes: u64,
     work: &'a [Work],
     plan: SamplePlan,
@@ -327,16 +338,17 @@ fn run_policy(
             w.pattern,
             w.size
         ));
-        let result = measure(&handle, w, plan);
+        let result = measure(&handle, w, plan, ctx.self_check);
         let (coalesced, per_page, error) = match result {
             Ok((a, b)) => (Some(a), Some(b), None),
             Err(e) => (None, None, Some(e)),
         };
-        let ratio = match (&coalesced, &per_page) {
-            (Some(a), Some(b)) if a.ns_per_page.median > 0.0 => {
-                Some(b.ns_per_page.median / a.ns_per_page.median)
-            }
-            _ => None,
+        let (ratio, ratio_paired) = match (&coalesced, &per_page) {
+            (Some(a), Some(b)) if a.ns_per_page.median > 0.0 => (
+                Some(b.ns_per_page.median / a.ns_per_page.median),
+                Some(paired_ratio(a, b)),
+            ),
+            _ => (None, None),
         };
         cells.push(PinCell {
             backing: backing.name(),
@@ -349,6 +361,7 @@ fn run_policy(
             coalesced,
             per_page,
             ratio,
+            ratio_paired,
             error,
         });
         progress.finish_step();
@@ -378,6 +391,7 @@ pub fn run(args: PinArgs) -> CliResult {
         progress.note("umdev bench: this is a debug build; build with --release for real numbers");
     }
     let ctx = RunCtx {
+        self_check: args.self_check,
         region_bytes,
         work: &work,
         plan,
@@ -434,6 +448,7 @@ pub fn run(args: PinArgs) -> CliResult {
             plan,
             seed: args.seed,
             quick: args.quick,
+            self_check: args.self_check,
             region_iova: REGION_IOVA,
             region_bytes,
             trace_bucket_cap: TRACE_BUCKET_CAP,

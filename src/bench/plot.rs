@@ -68,7 +68,7 @@ fn variant_points(
         .filter_map(|c| {
             pick(c).map(|v| {
                 (
-                    c.size as f64,
+                    x_of(c),
                     v.ns_per_page.median,
                     v.ns_per_page.p10,
                     v.ns_per_page.p90,
@@ -77,6 +77,16 @@ fn variant_points(
         })
         .filter(|p| p.1.is_finite() && p.1 > 0.0)
         .collect()
+}
+
+/// Where a cell sits on the x axis: its array size, or for a replayed trace the mean length
+/// of the arrays in its bucket.
+fn x_of(c: &PinCell) -> f64 {
+    if c.pattern.starts_with("trace:") {
+        c.pages_per_array.max(1.0)
+    } else {
+        c.size as f64
+    }
 }
 
 /// The SVG document for `report`.
@@ -190,13 +200,16 @@ pub fn pin_svg(report: &PinReport) -> String {
                 .iter()
                 .filter(|c| &c.pattern == pattern && c.backing == *backing && c.policy == *policy)
                 .collect();
-            let mut xs = unique(here.iter().map(|c| c.size));
-            xs.sort_unstable();
+            let mut xs: Vec<f64> = unique(here.iter().map(|c| x_of(c).round() as u64))
+                .into_iter()
+                .map(|v| v as f64)
+                .collect();
+            xs.sort_by(f64::total_cmp);
             for size in xs {
-                let x = xa.map(size as f64);
+                let x = xa.map(size);
                 let _ = writeln!(
                     s,
-                    r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="9">{size}</text>"#,
+                    r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="9">{size:.0}</text>"#,
                     y0 + PANEL_H + 11.0
                 );
             }
@@ -307,6 +320,7 @@ mod report_tests {
             coalesced: Some(v(a)),
             per_page: Some(v(b)),
             ratio: Some(b / a),
+            ratio_paired: None,
             error: None,
         }
     }
@@ -332,6 +346,7 @@ mod report_tests {
                 },
                 seed: 0,
                 quick: true,
+                self_check: false,
                 region_iova: 0,
                 region_bytes: 0,
                 trace_bucket_cap: 1,

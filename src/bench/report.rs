@@ -68,6 +68,10 @@ pub struct PinCell {
     pub per_page: Option<VariantResult>,
     /// Median per-page ns / median coalesced ns (> 1: coalescing is faster).
     pub ratio: Option<f64>,
+    /// Per-page / coalesced of each pair of samples taken back to back (sample i of both
+    /// variants). Its median is the ratio the table shows (robust to drift between pairs);
+    /// its spread says how sure the ratio is on this machine.
+    pub ratio_paired: Option<Summary>,
     /// Why the cell has no result.
     pub error: Option<String>,
 }
@@ -117,6 +121,8 @@ pub struct PinConfig {
     pub seed: u64,
     /// `--quick`.
     pub quick: bool,
+    /// `--self-check`: both sides ran the coalesced path.
+    pub self_check: bool,
     /// IOVA of the bench region.
     pub region_iova: u64,
     /// Size of the bench region in bytes.
@@ -150,6 +156,18 @@ pub fn write_json(path: &Path, report: &impl serde::Serialize) -> std::io::Resul
     serde_json::to_writer_pretty(&mut f, report).map_err(std::io::Error::other)?;
     writeln!(f)?;
     f.flush()
+}
+
+/// Summary of the ratios per-page / coalesced of samples taken back to back.
+pub fn paired_ratio(coalesced: &VariantResult, per_page: &VariantResult) -> Summary {
+    let ratios: Vec<f64> = coalesced
+        .samples_ns_per_page
+        .iter()
+        .zip(&per_page.samples_ns_per_page)
+        .filter(|(a, _)| **a > 0.0)
+        .map(|(a, b)| b / a)
+        .collect();
+    summarize(&ratios)
 }
 
 fn spread(s: &Summary) -> String {
@@ -186,6 +204,7 @@ pub fn pin_table(report: &PinReport) -> String {
             ">per-page",
             ">p10–p90",
             ">ratio",
+            ">paired IQR",
             ">syscalls/array",
         ]);
         for c in report
@@ -198,16 +217,26 @@ pub fn pin_table(report: &PinReport) -> String {
             } else {
                 format!("{:.1}", c.runs_per_array)
             };
+            let size = if c.pattern.starts_with("trace:") {
+                format!("≤{} ({:.1})", c.size, c.pages_per_array)
+            } else {
+                c.size.to_string()
+            };
             match (&c.coalesced, &c.per_page, &c.error) {
                 (Some(a), Some(b), None) => t.row(vec![
                     c.pattern.clone(),
-                    c.size.to_string(),
+                    size,
                     runs,
                     fmt_ns(a.ns_per_page.median),
                     spread(&a.ns_per_page),
                     fmt_ns(b.ns_per_page.median),
                     spread(&b.ns_per_page),
-                    c.ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+                    c.ratio_paired
+                        .map(|r| r.median)
+                        .or(c.ratio)
+                        .map_or("-".into(), |r| format!("{r:.2}×")),
+                    c.ratio_paired
+                        .map_or("-".into(), |r| format!("{:.2}–{:.2}", r.p25, r.p75)),
                     format!(
                         "{} / {}",
                         fmt_sys(a.syscalls_per_array),
@@ -216,7 +245,7 @@ pub fn pin_table(report: &PinReport) -> String {
                 ]),
                 (_, _, err) => t.row(vec![
                     c.pattern.clone(),
-                    c.size.to_string(),
+                    size,
                     runs,
                     format!("error: {}", err.as_deref().unwrap_or("no result")),
                 ]),
@@ -227,6 +256,10 @@ pub fn pin_table(report: &PinReport) -> String {
     for b in report.backings.iter().filter(|b| !b.measured) {
         out.push_str(&format!("\nskipped {}: {}\n", b.backing, b.note));
     }
+    out.push_str(
+        "\nratio = per-page / coalesced (> 1: coalescing is faster), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75; syscalls = coalesced / per-page per array\n",
+    );
     out
 }
 
@@ -290,6 +323,9 @@ pub struct PairRow {
     pub b: SideResult,
     /// Median of `a` / median of `b` (time ratio: > 1 means `a` is slower).
     pub ratio_a_over_b: f64,
+    /// `a` / `b` of each pair of samples taken back to back; the table shows its median
+    /// (robust to drift between pairs) and p25–p75.
+    pub ratio_paired: Summary,
 }
 
 impl PairRow {
@@ -300,12 +336,20 @@ impl PairRow {
         } else {
             f64::NAN
         };
+        let paired: Vec<f64> = a
+            .samples_ns
+            .iter()
+            .zip(&b.samples_ns)
+            .filter(|(_, y)| **y > 0.0)
+            .map(|(x, y)| x / y)
+            .collect();
         PairRow {
             group: group.to_string(),
             size_bytes,
             a,
             b,
             ratio_a_over_b,
+            ratio_paired: summarize(&paired),
         }
     }
 }
@@ -365,7 +409,15 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
             "\n{group}: ns per operation, median and p10–p90\n"
         ));
         let (ah, bh) = (format!(">{an}"), format!(">{bn}"));
-        let mut headers = vec![">size", &ah, ">p10–p90", &bh, ">p10–p90", ">ratio"];
+        let mut headers = vec![
+            ">size",
+            &ah,
+            ">p10–p90",
+            &bh,
+            ">p10–p90",
+            ">ratio",
+            ">paired IQR",
+        ];
         if throughput {
             headers.push(">GB/s");
         }
@@ -386,7 +438,8 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
                 spread(&r.a.ns),
                 fmt_ns(r.b.ns.median),
                 spread(&r.b.ns),
-                format!("{:.2}×", r.ratio_a_over_b),
+                format!("{:.2}×", r.ratio_paired.median),
+                format!("{:.2}–{:.2}", r.ratio_paired.p25, r.ratio_paired.p75),
             ];
             if throughput {
                 row.push(gbs);
@@ -398,6 +451,10 @@ pub fn pair_table(report: &PairReport, throughput: bool) -> String {
     for u in &report.unavailable {
         out.push_str(&format!("\nnot available: {u}\n"));
     }
+    out.push_str(
+        "\nratio = left / right time (> 1: the left side is slower), the median over pairs of \
+         samples taken back to back; paired IQR = its p25–p75\n",
+    );
     out
 }
 

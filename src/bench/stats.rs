@@ -14,6 +14,10 @@ pub struct Summary {
     pub p10: f64,
     /// 90th percentile.
     pub p90: f64,
+    /// 25th percentile.
+    pub p25: f64,
+    /// 75th percentile.
+    pub p75: f64,
     /// Smallest sample.
     pub min: f64,
     /// Largest sample.
@@ -44,6 +48,8 @@ pub fn summarize(samples: &[f64]) -> Summary {
         median: quantile_sorted(&v, 0.5),
         p10: quantile_sorted(&v, 0.1),
         p90: quantile_sorted(&v, 0.9),
+        p25: quantile_sorted(&v, 0.25),
+        p75: quantile_sorted(&v, 0.75),
         min: v.first().copied().unwrap_or(f64::NAN),
         max: v.last().copied().unwrap_or(f64::NAN),
     }

@@ -164,6 +164,8 @@ pub struct GuestMem {
     pub reads: usize,
     pub writes: usize,
     pub largest: u64,
+    /// Serve with QEMU 10.x's layout (count u32, data at payload offset 12).
+    pub qemu_layout: bool,
 }
 
 impl GuestMem {
@@ -174,6 +176,7 @@ impl GuestMem {
             reads: 0,
             writes: 0,
             largest: 0,
+            qemu_layout: false,
         }
     }
 }
@@ -189,7 +192,20 @@ impl RawClient {
         if !is_cmd || (cmd != Command::DmaRead as u16 && cmd != Command::DmaWrite as u16) {
             return false;
         }
-        let (addr, count, data) = decode_dma_rw_request(&m.payload).unwrap();
+        let (addr, count, data) = if mem.qemu_layout {
+            // QEMU's VFIOUserDMARW: offset u64, count u32, data[] at 12.
+            let addr = u64::from_ne_bytes(m.payload[0..8].try_into().unwrap());
+            let count = u32::from_ne_bytes(m.payload[8..12].try_into().unwrap()) as u64;
+            if cmd == Command::DmaWrite as u16 {
+                assert!(
+                    m.header.msg_size as u64 >= 32 + count,
+                    "QEMU would answer E2BIG"
+                );
+            }
+            (addr, count, &m.payload[12..])
+        } else {
+            decode_dma_rw_request(&m.payload).unwrap()
+        };
         mem.largest = mem.largest.max(count);
         let start = (addr - mem.base) as usize;
         let end = start + count as usize;
@@ -197,13 +213,19 @@ impl RawClient {
             mem.reads += 1;
             let mut p = Vec::new();
             p.put_u64(addr);
-            p.put_u64(count);
-            p.extend_from_slice(&mem.bytes[start..end]);
+            if mem.qemu_layout {
+                p.put_u32(count as u32);
+                p.extend_from_slice(&mem.bytes[start..end]);
+                p.put_u32(0);
+            } else {
+                p.put_u64(count);
+                p.extend_from_slice(&mem.bytes[start..end]);
+            }
             let h = m.header.reply(p.len());
             send_message(stream, &encode_message(&h, &p), &[]).unwrap();
         } else {
             mem.writes += 1;
-            mem.bytes[start..end].copy_from_slice(data);
+            mem.bytes[start..end].copy_from_slice(&data[..count as usize]);
             // Answer like QEMU: a bare reply header.
             send_message(stream, &m.header.reply(0).encode(), &[]).unwrap();
         }

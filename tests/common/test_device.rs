@@ -4,7 +4,8 @@
 //!   - 0x100 DOORBELL: writing v triggers MSI vector v (INTx if the MSI vector has no fd);
 //!   - 0x200 DMA_IOVA (u64), 0x208 DMA_LEN (u32), 0x20c DMA_OP (u32, 1 = read guest memory
 //!     into BAR0 at 0x800, 2 = write BAR0 0x800.. to guest memory), run synchronously on
-//!     the connection thread; 0x210 DMA_STATUS (0 ok, else errno).
+//!     the connection thread; 0x210 DMA_STATUS (0 ok, else errno);
+//!   - 0x218 PANIC: any write makes the device panic (a device bug).
 //! - BAR2 (region 2): 64 KiB memfd; [0x4000, 0x10000) is a sparse mmap area, the first
 //!   16 KiB are trapped (read/written through the memfd by the device).
 //! - CONFIG (region 7): 256 bytes.
@@ -27,6 +28,7 @@ pub const REG_DMA_IOVA: u64 = 0x200;
 pub const REG_DMA_LEN: u64 = 0x208;
 pub const REG_DMA_OP: u64 = 0x20c;
 pub const REG_DMA_STATUS: u64 = 0x210;
+pub const REG_PANIC: u64 = 0x218;
 pub const DMA_SCRATCH: u64 = 0x800;
 
 /// What the test can observe and control.
@@ -183,6 +185,9 @@ impl Device for TestDevice {
     }
 
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        if region == 0 && offset == REG_PANIC {
+            panic!("test device: write to the panic register");
+        }
         let mut st = self.state.lock().unwrap();
         st.writes.push((region, offset, data.to_vec()));
         match region {

@@ -97,6 +97,19 @@ pub enum GpuError {
 }
 
 impl GpuError {
+    /// The message with its causes, for logs (e.g. the DMA layer's hint to use a shared
+    /// memfd memory backend when a pinned page is fd-less).
+    pub fn report(&self) -> String {
+        let mut out = self.to_string();
+        let mut cause = std::error::Error::source(self);
+        while let Some(c) = cause {
+            out.push_str(": ");
+            out.push_str(&c.to_string());
+            cause = c.source();
+        }
+        out
+    }
+
     /// The `ERROR_CODE` the guest sees.
     pub fn code(&self) -> u32 {
         match self {
@@ -112,5 +125,23 @@ impl GpuError {
             GpuError::GttRange => ERR_GTT_RANGE,
             GpuError::BadStride { .. } => ERR_BAD_STRIDE,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_report_includes_dma_cause() {
+        let e = GpuError::GttFault {
+            start: 1,
+            end: 3,
+            source: DmaError::NotMapped { iova: 0x5000 },
+        };
+        let r = e.report();
+        assert!(r.starts_with("pinning GTT entries 1..3 failed: "), "{r}");
+        assert!(r.contains("0x5000"), "{r}");
+        assert_eq!(e.code(), ERR_GTT_FAULT);
     }
 }

@@ -120,6 +120,19 @@ impl Gtt {
         self.take_pin(i)
     }
 
+    /// Invalidate entries `start..start+count` (clamped to the table); returns the pfns of
+    /// the pins this dropped.
+    pub fn invalidate(&mut self, start: u32, count: u32) -> Vec<u64> {
+        let end = start.saturating_add(count).min(self.len());
+        let mut out = Vec::new();
+        for i in start.min(end)..end {
+            self.entries[i as usize] = 0;
+            out.extend(self.take_pin(i as usize));
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        out
+    }
+
     /// Drop every pin of a page in `[first_pfn, last_pfn]`; returns the pfns to unpin.
     pub fn take_pins_in(&mut self, first_pfn: u64, last_pfn: u64) -> Vec<u64> {
         let mut out = Vec::new();
@@ -384,6 +397,27 @@ mod tests {
             Err(GpuError::GttRange)
         ));
         assert_eq!(g.missing(0, 2, false).unwrap(), vec![(0, 1), (1, 2)]);
+    }
+
+    #[test]
+    fn test_invalidate_clamps_and_returns_pins_in_order() {
+        let mut g = Gtt::new(4);
+        for i in 0..4u32 {
+            g.set_entry(i, (0x1000 * u64::from(i + 1)) | GTT_VALID);
+            g.pins[i as usize] = Some(Pin {
+                pfn: u64::from(i + 1),
+                host: 0,
+                writable: false,
+            });
+        }
+        g.pinned = 4;
+        assert_eq!(g.invalidate(2, u32::MAX), vec![3, 4]);
+        assert_eq!(
+            (g.entry(2), g.entry(3), g.entry(1)),
+            (0, 0, 0x2000 | GTT_VALID)
+        );
+        assert_eq!(g.invalidate(7, 3), Vec::<u64>::new());
+        assert_eq!(g.pins_held(), 2);
     }
 
     #[test]

@@ -64,6 +64,12 @@ pub const REG_ERROR_COUNT: u64 = 0x318;
 /// `FENCE_VALUE`: read-only value of the last executed FENCE command.
 pub const REG_FENCE_VALUE: u64 = 0x320;
 
+/// `GTT_INVAL_START`: first entry of a batch invalidation.
+pub const REG_GTT_INVAL_START: u64 = 0x400;
+/// `GTT_INVAL_COUNT`: writing N invalidates entries `GTT_INVAL_START..+N` (clamped to the
+/// GTT) and releases their pins in one array call; reads the last count written.
+pub const REG_GTT_INVAL_COUNT: u64 = 0x404;
+
 /// Start of the GTT window: `GTT_ENTRIES` little-endian 64-bit entries.
 pub const GTT_BASE: u64 = 0x8000;
 /// Number of GTT entries.
@@ -203,6 +209,10 @@ pub struct Regs {
     pub error_count: u32,
     /// `FENCE_VALUE`.
     pub fence: u32,
+    /// `GTT_INVAL_START`.
+    pub gtt_inval_start: u32,
+    /// `GTT_INVAL_COUNT`.
+    pub gtt_inval_count: u32,
 }
 
 impl Default for Regs {
@@ -217,6 +227,8 @@ impl Default for Regs {
             error_info: 0,
             error_count: 0,
             fence: 0,
+            gtt_inval_start: 0,
+            gtt_inval_count: 0,
         }
     }
 }

@@ -141,7 +141,11 @@ impl Ctx {
                     match result {
                         Ok(raise) => raise,
                         Err(e) => {
-                            tracing::warn!(error = %e, offset = cmd_off, "gpu: command failed");
+                            tracing::warn!(
+                                error = e.report(),
+                                offset = cmd_off,
+                                "gpu: command failed"
+                            );
                             regs.record_error(e.code(), cmd_off)
                         }
                     }

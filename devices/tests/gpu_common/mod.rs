@@ -122,6 +122,11 @@ impl Rig {
 
     /// Submit `cmds` followed by FENCE(fence) and wait for the fence value.
     pub fn run_fenced(&mut self, cmds: &[Command], fence: u32) {
+        let current = self.drv.read(REG_FENCE_VALUE).unwrap();
+        assert_ne!(
+            current, fence,
+            "test bug: fence value reused, the wait would not wait"
+        );
         let mut all = cmds.to_vec();
         all.push(Command::Fence { value: fence });
         self.drv.submit(&mut self.ram, &all).unwrap();

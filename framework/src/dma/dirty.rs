@@ -2,7 +2,14 @@
 //! DMA_LOGGING_START), set with atomic OR by writers and read-and-cleared with atomic AND by
 //! DMA_LOGGING_REPORT, so no bit set concurrently with a report is lost.
 
-use std::sync::atomic::{AtomicU64, Ordering::AcqRel};
+use super::DmaError;
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{AcqRel, Acquire},
+};
+
+/// Largest bitmap of one region (8 TiB of 4 KiB pages).
+pub(crate) const MAX_BITMAP_BYTES: u64 = 256 << 20;
 
 /// The bitmap of one region.
 pub(crate) struct DirtyBitmap {
@@ -17,17 +24,28 @@ pub(crate) struct DirtyBitmap {
 
 impl DirtyBitmap {
     /// A clean bitmap for the region `[iova, end)` (end > iova) at `1 << shift` bytes a page.
-    pub(crate) fn new(iova: u64, end: u64, shift: u32) -> DirtyBitmap {
+    /// Fails (ENOMEM) past [`MAX_BITMAP_BYTES`] or when the allocation fails: the size is
+    /// client-controlled.
+    pub(crate) fn new(iova: u64, end: u64, shift: u32) -> Result<DirtyBitmap, DmaError> {
         let base = iova >> shift;
         let npages = ((end - 1) >> shift) - base + 1;
-        DirtyBitmap {
+        let nwords = npages.div_ceil(64);
+        if nwords.saturating_mul(8) > MAX_BITMAP_BYTES {
+            return Err(DmaError::NoMemory(
+                "dirty bitmap of this mapping would exceed 256 MiB at this page size",
+            ));
+        }
+        let mut words = Vec::new();
+        words
+            .try_reserve_exact(nwords as usize)
+            .map_err(|_| DmaError::NoMemory("cannot allocate a dirty bitmap"))?;
+        words.extend((0..nwords).map(|_| AtomicU64::new(0)));
+        Ok(DirtyBitmap {
             shift,
             base,
             npages,
-            words: (0..npages.div_ceil(64))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
-        }
+            words: words.into_boxed_slice(),
+        })
     }
 
     /// Mark `[iova, iova + len)` (inside the region, len > 0) dirty.
@@ -49,6 +67,15 @@ impl DirtyBitmap {
             }
             page += n;
         }
+    }
+
+    /// Whether global page `t` is dirty (without clearing it).
+    pub(crate) fn peek(&self, t: u64) -> bool {
+        if t < self.base || t >= self.base + self.npages {
+            return false;
+        }
+        let page = t - self.base;
+        self.words[(page / 64) as usize].load(Acquire) & (1 << (page % 64)) != 0
     }
 
     /// Read and clear the bits of global pages `[lo, hi)` (clamped to this bitmap), calling
@@ -84,7 +111,7 @@ mod tests {
 
     #[test]
     fn test_mark_then_take_returns_and_clears() {
-        let b = DirtyBitmap::new(0x10000, 0x10000 + 200 * 4096, 12);
+        let b = DirtyBitmap::new(0x10000, 0x10000 + 200 * 4096, 12).unwrap();
         b.mark(0x10000 + 4096 * 63, 3 * 4096); // pages 63..66
         b.mark(0x10000 + 4096 * 150 + 10, 1);
         let mut got = Vec::new();
@@ -96,8 +123,16 @@ mod tests {
     }
 
     #[test]
+    fn test_new_huge_region_is_refused_not_allocated() {
+        assert!(matches!(
+            DirtyBitmap::new(0, 1 << 46, 12),
+            Err(DmaError::NoMemory(_))
+        ));
+    }
+
+    #[test]
     fn test_take_subrange_leaves_other_bits() {
-        let b = DirtyBitmap::new(0, 128 * 4096, 12);
+        let b = DirtyBitmap::new(0, 128 * 4096, 12).unwrap();
         b.mark(0, 128 * 4096);
         let mut n = 0;
         b.take(10, 20, &mut |_| n += 1);

@@ -1,13 +1,17 @@
 //! DEVICE_FEATURE DMA_LOGGING_START / STOP / REPORT on a [`DmaSpace`].
 //!
-//! START gives every mapping (and every later one, while logging is on) a clean
-//! [`DirtyBitmap`] at the requested page size. The requested ranges are validated but the
+//! START gives every fd-backed mapping (and every later one, while logging is on) a clean
+//! [`DirtyBitmap`] at the requested page size. fd-less mappings are not logged: the client
+//! performs DMA_WRITEs to them itself and sees them in its own dirty tracking. The requested ranges are validated but the
 //! whole space is tracked (a superset is always correct). A page is dirty when `dma_rw`
 //! wrote it, when it was pinned writable, or — at REPORT time — while it is still pinned
 //! writable (the device may write it at any moment, as the kernel's type1 reports every
 //! pinned page). REPORT validates everything first (logging on, page size, alignment,
 //! overflow, bitmap length) and only then reads-and-clears bits, so an error clears none.
-//! Gaps between mappings report clean.
+//! As for the kernel's `vfio_device_feature_dma_logging_report`, the report page size may
+//! differ from the logging one: a larger report page ORs tracked pages, a smaller one
+//! replicates a tracked page's bit (and a tracked page only partly inside the range is
+//! reported but not cleared). Gaps between mappings report clean.
 
 use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::Arc;
@@ -38,9 +42,14 @@ impl DmaSpace {
             return Err(DmaError::Busy("dirty logging is already started"));
         }
         let shift = pgsize.trailing_zeros();
-        for r in self.table.load().iter() {
-            r.dirty
-                .store(Some(Arc::new(DirtyBitmap::new(r.iova, r.end, shift))));
+        // Build every bitmap first (allocation may fail), then install them.
+        let table = self.table.load();
+        let mut bitmaps = Vec::new();
+        for r in table.iter().filter(|r| !r.is_fdless()) {
+            bitmaps.push((r, Arc::new(DirtyBitmap::new(r.iova, r.end, shift)?)));
+        }
+        for (r, b) in bitmaps {
+            r.dirty.store(Some(b));
         }
         self.dirty_shift.store(shift, Relaxed);
         self.dirty_active.store(true, Release);
@@ -69,10 +78,9 @@ impl DmaSpace {
         if !self.dirty_active.load(Relaxed) {
             return Err(DmaError::InvalidArgument("dirty logging is not started"));
         }
-        let shift = self.dirty_shift.load(Relaxed);
-        if !pgsize.is_power_of_two() || pgsize.trailing_zeros() < shift {
+        if !pgsize.is_power_of_two() || pgsize < PAGE_SIZE {
             return Err(DmaError::InvalidArgument(
-                "report page size must be a power of two no smaller than the logging page size",
+                "report page size must be a power of two of at least 4096",
             ));
         }
         let rshift = pgsize.trailing_zeros();
@@ -93,24 +101,44 @@ impl DmaSpace {
         // No error past this point: bits are cleared only now.
         let out = &mut bitmap[..nbytes];
         out.fill(0);
-        let mut set = |addr: u64| {
-            let bit = (addr.max(iova) - iova) >> rshift;
-            out[(bit / 8) as usize] |= 1 << (bit % 8);
+        // Mark every report page overlapping [a, b) (a < b) dirty: one bit when the report
+        // page is larger than the tracked page, replicated bits when it is smaller.
+        let mut set = |a: u64, b: u64| {
+            let (a, b) = (a.max(iova), b.min(end));
+            if a < b {
+                for bit in (a - iova) >> rshift..=(b - 1 - iova) >> rshift {
+                    out[(bit / 8) as usize] |= 1 << (bit % 8);
+                }
+            }
         };
         let table = self.table.load();
         for r in table.overlapping(iova, end) {
             if let Some(b) = r.dirty.load_full() {
-                let (lo, hi) = (iova >> b.shift, ((end - 1) >> b.shift) + 1);
-                b.take(lo, hi, &mut |t| set(t << b.shift));
+                let ts = b.shift;
+                // Tracked pages wholly inside the range are read and cleared; a tracked page
+                // straddling an edge of the range (report page smaller than the tracked one)
+                // is only read: clearing it would lose the dirtiness of its other part.
+                let (first, last) = (iova >> ts, (end - 1) >> ts);
+                let full_lo = iova.div_ceil(1 << ts);
+                let full_hi = end >> ts;
+                for t in [first, last] {
+                    if (t < full_lo || t >= full_hi) && b.peek(t) {
+                        set(t << ts, (t + 1) << ts);
+                    }
+                }
+                if full_lo < full_hi {
+                    b.take(full_lo, full_hi, &mut |t| set(t << ts, (t + 1) << ts));
+                }
             }
             if r.pins.pinned.load(Relaxed) > 0 {
                 let first = (iova.max(r.iova) - r.iova) >> PAGE_SHIFT;
-                let last = (end.min(r.end) - r.iova) >> PAGE_SHIFT;
+                let last = (end.min(r.end) - r.iova).div_ceil(PAGE_SIZE);
                 for (lo, hi) in r.pins.allocated_ranges() {
                     for page in lo.max(first)..hi.min(last) {
                         let v = r.pins.get(page);
                         if v & COUNT_MASK != 0 && v & WRITABLE != 0 {
-                            set(r.iova + (page << PAGE_SHIFT));
+                            let a = r.iova + (page << PAGE_SHIFT);
+                            set(a, a + PAGE_SIZE);
                         }
                     }
                 }

@@ -110,6 +110,9 @@ pub enum DmaError {
     /// An fd-less mapping was accessed while no client is connected (ENOTCONN).
     #[error("no client is connected to serve DMA to an fd-less mapping")]
     Disconnected,
+    /// A client-sized allocation was refused or failed (ENOMEM).
+    #[error("out of memory: {0}")]
+    NoMemory(&'static str),
     /// A malformed argument (EINVAL).
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
@@ -136,6 +139,7 @@ impl DmaError {
             DmaError::Residency { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DmaError::Remote { errno, .. } => *errno,
             DmaError::Disconnected => libc::ENOTCONN,
+            DmaError::NoMemory(_) => libc::ENOMEM,
             DmaError::InvalidArgument(_) => libc::EINVAL,
             DmaError::Busy(_) => libc::EBUSY,
         }

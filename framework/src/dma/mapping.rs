@@ -2,7 +2,7 @@
 //! (close → notify → verify and force-release → unpublish → drain in-flight → release memory).
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::sync::atomic::Ordering::{Acquire, Relaxed};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 use super::dirty::DirtyBitmap;
@@ -48,11 +48,10 @@ impl DmaSpace {
             None => None,
         };
         let region = Arc::new(Region::new(iova, size, prot, mem));
-        if self.dirty_active.load(Acquire) {
+        if self.dirty_active.load(Acquire) && !region.is_fdless() {
             let shift = self.dirty_shift.load(Relaxed);
-            region
-                .dirty
-                .store(Some(Arc::new(DirtyBitmap::new(iova, end, shift))));
+            let bitmap = DirtyBitmap::new(iova, end, shift)?;
+            region.dirty.store(Some(Arc::new(bitmap)));
         }
         let new = table.with_inserted(region)?;
         self.table.store(Arc::new(new));
@@ -82,7 +81,10 @@ impl DmaSpace {
     pub(crate) fn unmap_all_impl(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
         let _w = self.map_lock();
         let regions: Vec<Arc<Region>> = self.table.load().iter().cloned().collect();
-        self.remove_regions(&regions, notify)
+        let report = self.remove_regions(&regions, notify);
+        // Dirty logging is the departed client's state too: the next client starts clean.
+        self.dirty_active.store(false, Release);
+        report
     }
 
     /// The unmap protocol for `regions` (all in the table); caller holds the map lock.

@@ -9,13 +9,21 @@
 //! Files: `map_table` (lock-free sorted snapshot of mappings), `region` (one mapping),
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
-//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol).
+//! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
+//! `sigbus` (surviving a client that shrinks a mapped file).
 //!
 //! # Concurrency
 //! Lookups (pins, `dma_rw`) read an `ArcSwap` snapshot of the map table: no lock. Pin and
 //! unpin calls serialize on one pin lock per space (as type1 serializes on `iommu->lock`),
 //! which makes multi-page, multi-region calls all-or-nothing and the accounting exact.
 //! Map/unmap/dirty-logging serialize on a map lock taken only by the connection thread.
+//!
+//! # Residency and the kernel
+//! `Lock` mlocks runs of a `MAP_SHARED` mapping; the kernel splits the mapping's VMA at each
+//! locked run's edges, so many scattered locked pages cost VMAs (bounded by
+//! `vm.max_map_count`, 65530 by default: about 32 Ki scattered locked runs). Coalesced runs
+//! keep that number down. mlock also needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK) at least as large
+//! as umdev's own limit, otherwise pins fail with the kernel's errno.
 //!
 //! # Host addresses of pinned pages
 //! A host address returned by `pin_pages`/`pin_range` points into a `MAP_SHARED` mapping of
@@ -39,6 +47,7 @@ mod pin_table;
 mod region;
 mod residency;
 mod rw;
+mod sigbus;
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
@@ -287,7 +296,8 @@ impl DmaSpace {
         self.unmap_impl(iova, size, notify)
     }
 
-    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`.
+    /// Remove every mapping (client disconnect), with the same guarantees as `unmap`; also
+    /// stops dirty logging (client state), so the next client can start it afresh.
     pub fn unmap_all(&self, notify: &mut dyn FnMut(u64, u64)) -> UnmapReport {
         self.unmap_all_impl(notify)
     }
@@ -309,8 +319,9 @@ impl DmaSpace {
     }
 
     /// DMA_LOGGING_REPORT: fill `bitmap` (1 bit per `pgsize` page of `[iova, iova+size)`,
-    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` must be
-    /// a power-of-two multiple of the logging page size; iova and size aligned to it.
+    /// LSB first) and clear the reported bits. On error no bit is cleared. `pgsize` is a
+    /// power of two ≥ 4096, possibly different from the logging page size (bits are OR-ed or
+    /// replicated); iova and size must be aligned to it.
     pub fn dirty_report(
         &self,
         iova: u64,
@@ -364,6 +375,11 @@ impl DmaSpace {
     /// Set the negotiated max_dma_maps (applies to later DMA_MAPs).
     pub fn set_max_dma_maps(&self, max: u32) {
         self.max_dma_maps.store(max, Relaxed);
+    }
+
+    /// The current limit on simultaneous mappings.
+    pub fn max_dma_maps(&self) -> u32 {
+        self.max_dma_maps.load(Relaxed)
     }
 
     /// Verify the accounting by a full scan (for tests and debugging; O(pinned chunks)):
@@ -433,7 +449,8 @@ impl DmaHandle {
     /// Pin the pages `iova_pfns` (arbitrary order, duplicates allowed) with `prot`; write the
     /// host address of each page into `host_addrs[i]`. All-or-nothing: on error nothing
     /// pinned by the call stays pinned and the accounting is as before (pages pinned
-    /// writable may stay marked dirty). See the module docs for what a host address allows.
+    /// writable may stay marked dirty; `host_addrs` may be partly written). See the module
+    /// docs for what a host address allows.
     pub fn pin_pages(
         &self,
         iova_pfns: &[u64],

@@ -27,7 +27,9 @@ use super::residency;
 use super::{DmaError, DmaSpace, PinPolicy, Prot, PAGE_SHIFT};
 
 impl DmaSpace {
-    /// `pin_pages` through either path.
+    /// `pin_pages` through either path. Never inlined, so a one-page `pin_pages` and the
+    /// per-page path run the very same machine code (`pin_impl::<false>`).
+    #[inline(never)]
     pub(crate) fn pin_impl<const COALESCE: bool>(
         &self,
         pfns: &[u64],
@@ -50,7 +52,7 @@ impl DmaSpace {
         let res = for_each_run::<COALESCE, _>(&table, pfns, |region, i, j| {
             let out = &mut out[i..j];
             if j == i + 1 {
-                // A one-page run is compiled as the per-page path (n constant-folded).
+                // Lets the compiler specialise the one-page run (n == 1) of scattered arrays.
                 self.pin_run(region, pfns[i], 1, prot, policy, Some(out))?;
             } else {
                 self.pin_run(region, pfns[i], (j - i) as u64, prot, policy, Some(out))?;
@@ -120,7 +122,15 @@ impl DmaSpace {
                             limit,
                         });
                     }
-                    residency::lock(addr, n, syscalls)?;
+                    if let Err(e) = residency::lock(addr, n, syscalls) {
+                        // mlock may have locked part of the run before failing: unlock the
+                        // pages no pin holds locked, so the kernel's view matches ours.
+                        let host = region.host;
+                        region.pins.unlocked_subranges(lo, hi, &mut |a, b| {
+                            residency::unlock(host + (a << PAGE_SHIFT), b - a, syscalls)
+                        });
+                        return Err(e);
+                    }
                 }
                 PinPolicy::Populate => residency::populate(addr, n, prot.write, syscalls)?,
             }
@@ -143,7 +153,8 @@ impl DmaSpace {
         Ok(())
     }
 
-    /// `unpin_pages` through either path.
+    /// `unpin_pages` through either path (never inlined, see `pin_impl`).
+    #[inline(never)]
     pub(crate) fn unpin_impl<const COALESCE: bool>(&self, pfns: &[u64]) -> Result<(), DmaError> {
         if pfns.is_empty() {
             return Ok(());

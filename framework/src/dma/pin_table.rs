@@ -1,9 +1,12 @@
 //! Per-region pin state: one 32-bit word per 4 KiB page, in lazily allocated chunks.
 //!
-//! A region of `n` pages owns `ceil(n / CHUNK_PAGES)` empty chunk slots; a chunk of
-//! [`CHUNK_PAGES`] words (4 KiB) is allocated the first time one of its pages is pinned, so a
-//! 64 GiB mapping costs 16 Ki slots up front, not 16 Mi words. A page's word is found by array
-//! index (`page >> CHUNK_SHIFT`, `page & mask`), never by hashing.
+//! A chunk of [`CHUNK_PAGES`] words (4 KiB, covering 4 MiB) is allocated the first time one
+//! of its pages is pinned; chunk slots are grouped in directories of [`DIR_CHUNKS`] slots (one
+//! per 4 GiB), themselves allocated on first use. Up front a region owns only one empty
+//! directory slot per 4 GiB: 16 slots for a 64 GiB mapping, 32 Ki for the largest possible
+//! (128 TiB) one — a client cannot make the server allocate per-page state by mapping a huge
+//! range. A page's word is found by array index (`page >> CHUNK_SHIFT` split into directory
+//! and slot, `page & mask`), never by hashing.
 //!
 //! Word layout: bits 0..29 pin count, [`PINNED`] (page counted in the pinned-page totals),
 //! [`LOCKED`] (page mlocked and counted against the limit), [`WRITABLE`] (pinned with write
@@ -20,6 +23,10 @@ use std::sync::OnceLock;
 pub(crate) const CHUNK_SHIFT: u32 = 10;
 /// Pages per chunk.
 pub(crate) const CHUNK_PAGES: usize = 1 << CHUNK_SHIFT;
+/// log2 of the chunk slots per directory.
+const DIR_SHIFT: u32 = 10;
+/// Chunk slots per directory.
+pub(crate) const DIR_CHUNKS: usize = 1 << DIR_SHIFT;
 /// Largest pin count of one page.
 pub(crate) const COUNT_MASK: u32 = (1 << 29) - 1;
 /// The page is pinned with write access (reported dirty while pinned).
@@ -30,6 +37,7 @@ pub(crate) const PINNED: u32 = 1 << 30;
 pub(crate) const LOCKED: u32 = 1 << 31;
 
 type Chunk = [AtomicU32; CHUNK_PAGES];
+type Dir = [OnceLock<Box<Chunk>>; DIR_CHUNKS];
 
 /// `a += x` for a counter only mutated with the pin lock held (a plain load and store: no
 /// read-modify-write needed, readers just see a consistent value).
@@ -73,7 +81,7 @@ fn segments(lo: u64, hi: u64) -> impl Iterator<Item = (usize, usize, usize)> {
 
 /// Pin words of one region.
 pub(crate) struct PinTable {
-    chunks: Box<[OnceLock<Box<Chunk>>]>,
+    dirs: Box<[OnceLock<Box<Dir>>]>,
     npages: u64,
     /// Pages with [`PINNED`] set.
     pub(crate) pinned: AtomicU64,
@@ -93,9 +101,9 @@ pub(crate) struct Released {
 impl PinTable {
     /// An empty table for `npages` pages (allocates only the chunk slots).
     pub(crate) fn new(npages: u64) -> PinTable {
-        let nchunks = npages.div_ceil(CHUNK_PAGES as u64) as usize;
+        let ndirs = npages.div_ceil((CHUNK_PAGES * DIR_CHUNKS) as u64) as usize;
         PinTable {
-            chunks: (0..nchunks).map(|_| OnceLock::new()).collect(),
+            dirs: (0..ndirs).map(|_| OnceLock::new()).collect(),
             npages,
             pinned: AtomicU64::new(0),
             locked: AtomicU64::new(0),
@@ -105,13 +113,17 @@ impl PinTable {
     /// The chunk `ci` if allocated.
     #[inline]
     fn chunk(&self, ci: usize) -> Option<&Chunk> {
-        self.chunks.get(ci)?.get().map(|b| &**b)
+        let dir = self.dirs.get(ci >> DIR_SHIFT)?.get()?;
+        dir[ci & (DIR_CHUNKS - 1)].get().map(|b| &**b)
     }
 
     /// The chunk `ci`, allocating it. `ci` < number of chunks.
     #[inline]
     fn chunk_mut(&self, ci: usize) -> &Chunk {
-        self.chunks[ci].get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU32::new(0))))
+        let dir = self.dirs[ci >> DIR_SHIFT]
+            .get_or_init(|| Box::new(std::array::from_fn(|_| OnceLock::new())));
+        dir[ci & (DIR_CHUNKS - 1)]
+            .get_or_init(|| Box::new(std::array::from_fn(|_| AtomicU32::new(0))))
     }
 
     /// The word of `page` if its chunk exists.
@@ -305,11 +317,33 @@ impl PinTable {
         rel
     }
 
+    /// Call `f(first, end)` for each maximal sub-range of `[lo, hi)` whose pages are not
+    /// [`LOCKED`] (used to undo a partially failed mlock without unlocking pages that other
+    /// pins hold locked).
+    pub(crate) fn unlocked_subranges(&self, lo: u64, hi: u64, f: &mut dyn FnMut(u64, u64)) {
+        let mut start: Option<u64> = None;
+        for page in lo..hi {
+            let unlocked = self.get(page) & LOCKED == 0;
+            match (unlocked, start) {
+                (true, None) => start = Some(page),
+                (false, Some(st)) => {
+                    f(st, page);
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(st) = start {
+            f(st, hi);
+        }
+    }
+
     /// Zero the count of every pinned page (leaving flags for [`PinTable::release_zeroed`])
     /// and return the number of pages that were pinned. Used by a forced release at unmap.
     pub(crate) fn zero_all_counts(&self) -> u64 {
         let mut pages = 0;
-        for chunk in self.chunks.iter().filter_map(|c| c.get()) {
+        let chunks = self.dirs.iter().filter_map(|d| d.get());
+        for chunk in chunks.flat_map(|d| d.iter().filter_map(|c| c.get())) {
             for w in chunk.iter() {
                 let v = w.load(Relaxed);
                 if v & COUNT_MASK != 0 {
@@ -323,12 +357,18 @@ impl PinTable {
 
     /// Page ranges `[lo, hi)` of the allocated chunks (what a full scan must visit).
     pub(crate) fn allocated_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.chunks
+        self.dirs
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.get().is_some())
-            .map(|(i, _)| {
-                let lo = (i as u64) << CHUNK_SHIFT;
+            .filter_map(|(di, d)| d.get().map(|d| (di, d)))
+            .flat_map(|(di, d)| {
+                d.iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.get().is_some())
+                    .map(move |(k, _)| (di << DIR_SHIFT) + k)
+            })
+            .map(|ci| {
+                let lo = (ci as u64) << CHUNK_SHIFT;
                 (lo, (lo + CHUNK_PAGES as u64).min(self.npages))
             })
     }
@@ -354,6 +394,11 @@ mod tests {
 
     #[test]
     fn test_new_huge_region_allocates_no_chunk() {
+        // 128 TiB of 4 KiB pages: 32 Ki directory slots, nothing else.
+        let big = PinTable::new(1 << 35);
+        assert_eq!(big.dirs.len(), 1 << 15);
+        assert_eq!(big.commit_pin((1 << 35) - 1, 1 << 35, false, false), 1);
+        assert_eq!(big.allocated_ranges().count(), 1);
         // 64 GiB of 4 KiB pages.
         let t = PinTable::new(16 << 20);
         assert_eq!(t.allocated_ranges().count(), 0);
@@ -401,6 +446,16 @@ mod tests {
         t.commit_pin(0, 4, false, false);
         assert_eq!(t.decrement(2, CHUNK_PAGES as u64 + 1), Err(4));
         assert_eq!(t.get(2) & COUNT_MASK, 1);
+    }
+
+    #[test]
+    fn test_unlocked_subranges_skip_locked_pages() {
+        let t = PinTable::new(64);
+        t.commit_pin(3, 5, true, false);
+        t.commit_pin(7, 8, true, false);
+        let mut got = Vec::new();
+        t.unlocked_subranges(0, 10, &mut |a, b| got.push((a, b)));
+        assert_eq!(got, vec![(0, 3), (5, 7), (8, 10)]);
     }
 
     #[test]

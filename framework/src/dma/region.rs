@@ -17,6 +17,8 @@ use super::{Prot, PAGE_SHIFT};
 pub(crate) struct HostMem {
     addr: *mut libc::c_void,
     len: usize,
+    /// SIGBUS protection of the range (a client shrinking the file); released before unmap.
+    sigbus: Option<super::sigbus::Registration>,
 }
 
 // SAFETY: HostMem is only an owned address range; it is never dereferenced through this
@@ -48,7 +50,8 @@ impl HostMem {
         if addr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(HostMem { addr, len })
+        let sigbus = super::sigbus::register(addr as usize, len);
+        Ok(HostMem { addr, len, sigbus })
     }
 
     /// Start address.
@@ -83,6 +86,8 @@ impl HostMem {
 
 impl Drop for HostMem {
     fn drop(&mut self) {
+        // Unregister first: once unmapped, the range may be reused by someone else.
+        drop(self.sigbus.take());
         // SAFETY: the range was mapped by us and is owned by this value only; callers drop it
         // only once no access can be in flight (see DmaSpace::unmap).
         let rc = unsafe { libc::munmap(self.addr, self.len) };
@@ -128,7 +133,8 @@ pub(crate) struct Region {
     pub(crate) closing: AtomicBool,
     /// Set when the region left the map table: no new accesses.
     pub(crate) removed: AtomicBool,
-    /// Accesses (dma_rw chunks) currently touching the host mapping.
+    /// Accesses currently in flight: dma_rw copies, and DMA_READ/DMA_WRITE pieces of an
+    /// fd-less region waiting for the client.
     pub(crate) inflight: AtomicU64,
     /// Dirty log while logging is on.
     pub(crate) dirty: ArcSwapOption<DirtyBitmap>,
@@ -138,6 +144,8 @@ impl Region {
     /// A region for `[iova, iova + size)`, validated by the caller.
     pub(crate) fn new(iova: u64, size: u64, prot: Prot, mem: Option<HostMem>) -> Region {
         let end = iova + size;
+        // An fd-less mapping can never be pinned: no pin state at all, whatever its size.
+        let pin_pages = if mem.is_some() { size >> PAGE_SHIFT } else { 0 };
         Region {
             iova,
             size,
@@ -147,7 +155,7 @@ impl Region {
             prot,
             host: mem.as_ref().map_or(0, HostMem::addr),
             mem: Mutex::new(mem),
-            pins: PinTable::new(size >> PAGE_SHIFT),
+            pins: PinTable::new(pin_pages),
             closing: AtomicBool::new(false),
             removed: AtomicBool::new(false),
             inflight: AtomicU64::new(0),

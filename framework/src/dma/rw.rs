@@ -5,9 +5,13 @@
 //! per region. fd-backed chunks are raw copies (`ptr::copy_nonoverlapping`) between the
 //! caller's buffer and the shared mapping — no `&[u8]` ever aliases guest memory — with the
 //! region's in-flight counter held so that unmap waits for the copy. fd-less chunks go to
-//! the client as DMA_READ/DMA_WRITE in pieces of at most the negotiated max_data_xfer_size
-//! (not counted as in flight: the client answers them on the connection thread, which may be
-//! the one running unmap). Writes mark the written pages dirty after the copy.
+//! the client as DMA_READ/DMA_WRITE in pieces of at most the negotiated max_data_xfer_size,
+//! each piece counted in flight too: unmap waits for the piece on the wire and no piece is
+//! sent for a region once unmap has removed it, so the client never gets a request for a
+//! range after its DMA_UNMAP reply. (Waiting cannot deadlock: while the connection thread
+//! runs unmap it does not hold the socket's read side, so the requester reads its own
+//! reply; a client that never answers is bounded by the remote DMA timeout.) Writes mark
+//! the written pages dirty after the copy.
 //!
 //! On error a prefix of the transfer may have been done (like the kernel's `vfio_dma_rw`).
 
@@ -74,6 +78,7 @@ impl DmaSpace {
                 let (remote, max) = self.remote()?;
                 for (k, piece) in dst.chunks_mut(max).enumerate() {
                     let at = cur + (k * max) as u64;
+                    let _inflight = region.enter().ok_or(DmaError::NotMapped { iova: at })?;
                     remote.dma_read(at, piece)?;
                 }
                 return Ok(());
@@ -97,6 +102,7 @@ impl DmaSpace {
                 let (remote, max) = self.remote()?;
                 for (k, piece) in src.chunks(max).enumerate() {
                     let at = cur + (k * max) as u64;
+                    let _inflight = region.enter().ok_or(DmaError::NotMapped { iova: at })?;
                     remote.dma_write(at, piece)?;
                 }
             } else {

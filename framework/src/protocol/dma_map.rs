@@ -11,9 +11,13 @@ pub const DMA_MAP_FLAG_WRITE: u32 = 1 << 1;
 pub const DMA_MAP_SIZE: usize = 32;
 /// Size of the DMA_UNMAP payload (and of its reply).
 pub const DMA_UNMAP_SIZE: usize = 24;
-/// Legacy DMA_UNMAP flag bits (kernel GET_DIRTY_BITMAP = 1, ALL = 2; the `vfio_user` crate's
-/// GET_DIRTY_PAGE_INFO = 2, UNMAP_ALL = 4). The current spec defines no flags, the legacy
-/// users disagree on the bit values, so umdev answers them with ENOTSUP.
+/// DMA_UNMAP flag "unmap everything" (`VFIO_DMA_UNMAP_FLAG_ALL` of `linux/vfio.h`, also
+/// libvfio-user's value). QEMU 10.x sends it, with iova 0 and size 0, when a 2^64-byte
+/// section goes away.
+pub const DMA_UNMAP_FLAG_ALL: u32 = 1 << 1;
+/// Legacy DMA_UNMAP flag bits umdev does not implement: GET_DIRTY_BITMAP (1) and bit 2
+/// (VADDR in `linux/vfio.h`, UNMAP_ALL in the `vfio_user` crate, whose bit values disagree
+/// with everybody else's). Answered with ENOTSUP.
 pub const DMA_UNMAP_LEGACY_FLAGS: u32 = 0x7;
 
 /// A validated DMA_MAP request (the fd travels separately).
@@ -123,8 +127,10 @@ fn check_range(what: &'static str, iova: u64, size: u64, pgsize: u64) -> Result<
 /// A validated DMA_UNMAP request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DmaUnmapRequest {
-    /// argsz as sent (echoed in the reply).
+    /// argsz as sent.
     pub argsz: u32,
+    /// FLAG_ALL: remove every mapping (iova and size are 0).
+    pub all: bool,
     /// IOVA of the mapping.
     pub iova: u64,
     /// Size of the mapping.
@@ -132,8 +138,9 @@ pub struct DmaUnmapRequest {
 }
 
 impl DmaUnmapRequest {
-    /// Decode and validate: payload 24 bytes, argsz ≥ 24, flags 0 (legacy bits ENOTSUP,
-    /// others EINVAL), size non-zero and aligned, no wrap, no fds.
+    /// Decode and validate: payload 24 bytes, argsz ≥ 24, no fds; flags 0 with a non-zero,
+    /// aligned, non-wrapping range, or exactly FLAG_ALL with iova and size 0; other legacy
+    /// bits ENOTSUP, unknown bits EINVAL.
     pub fn decode(payload: &[u8], nfds: usize, pgsize: u64) -> Result<Self, ProtocolError> {
         if payload.len() != DMA_UNMAP_SIZE {
             return Err(ProtocolError::BadPayloadSize {
@@ -167,20 +174,44 @@ impl DmaUnmapRequest {
                 flags,
             });
         }
+        if flags == DMA_UNMAP_FLAG_ALL {
+            if iova != 0 || size != 0 {
+                return Err(ProtocolError::invalid(
+                    "DMA_UNMAP",
+                    format!("FLAG_ALL with iova {iova:#x} size {size:#x}; both must be 0"),
+                ));
+            }
+            return Ok(DmaUnmapRequest {
+                argsz,
+                all: true,
+                iova,
+                size,
+            });
+        }
         if flags != 0 {
             return Err(ProtocolError::Unsupported(
-                "legacy DMA_UNMAP flags (UNMAP_ALL / GET_DIRTY_BITMAP)",
+                "legacy DMA_UNMAP flags (GET_DIRTY_BITMAP / VADDR / the vfio_user crate's UNMAP_ALL)",
             ));
         }
         check_range("DMA_UNMAP", iova, size, pgsize)?;
-        Ok(DmaUnmapRequest { argsz, iova, size })
+        Ok(DmaUnmapRequest {
+            argsz,
+            all: false,
+            iova,
+            size,
+        })
     }
 
-    /// The reply payload: the request's entry, echoed (flags 0).
+    /// True for FLAG_ALL (remove every mapping).
+    pub fn is_all(&self) -> bool {
+        self.all
+    }
+
+    /// The reply payload: the request's entry, echoed.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(DMA_UNMAP_SIZE);
         v.put_u32(DMA_UNMAP_SIZE as u32);
-        v.put_u32(0);
+        v.put_u32(if self.is_all() { DMA_UNMAP_FLAG_ALL } else { 0 });
         v.put_u64(self.iova);
         v.put_u64(self.size);
         v
@@ -231,8 +262,32 @@ mod tests {
     }
 
     #[test]
+    fn test_dma_unmap_flag_all_needs_zero_range() {
+        let mut p = Vec::new();
+        p.put_u32(24);
+        p.put_u32(DMA_UNMAP_FLAG_ALL);
+        p.put_u64(0);
+        p.put_u64(0);
+        let u = DmaUnmapRequest::decode(&p, 0, 4096).unwrap();
+        assert!(u.is_all());
+        assert_eq!(&u.encode()[4..8], &DMA_UNMAP_FLAG_ALL.to_ne_bytes());
+        assert_eq!(
+            DmaUnmapRequest::decode(&unmap(DMA_UNMAP_FLAG_ALL), 0, 4096)
+                .unwrap_err()
+                .errno(),
+            libc::EINVAL
+        );
+    }
+
+    #[test]
     fn test_dma_unmap_legacy_flags_enotsup_others_einval() {
         assert!(DmaUnmapRequest::decode(&unmap(0), 0, 4096).is_ok());
+        assert_eq!(
+            DmaUnmapRequest::decode(&unmap(1), 0, 4096)
+                .unwrap_err()
+                .errno(),
+            libc::ENOTSUP
+        );
         assert_eq!(
             DmaUnmapRequest::decode(&unmap(4), 0, 4096)
                 .unwrap_err()

@@ -260,4 +260,88 @@ mod tests {
             libc::ENOTSUP
         );
     }
+
+    mod fuzz {
+        use super::*;
+        use crate::protocol::dma_map::DmaMapRequest;
+        use crate::protocol::region_access::RegionAccess;
+        use crate::protocol::set_irqs::encode_set_irqs;
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+
+        fn seeds() -> Vec<(u16, Vec<u8>)> {
+            let access = RegionAccess {
+                offset: 0,
+                region: 0,
+                count: 4,
+            };
+            let mut write = access.encode();
+            write.extend_from_slice(&[1, 2, 3, 4]);
+            let map = DmaMapRequest {
+                flags: 3,
+                offset: 0,
+                iova: 0x1000,
+                size: 0x1000,
+            };
+            vec![
+                (
+                    1,
+                    b"\0\0\0\0{\"capabilities\":{\"max_msg_fds\":4}}\0".to_vec(),
+                ),
+                (2, map.encode()),
+                (3, map.encode()[8..].to_vec()),
+                (4, vec![16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+                (8, encode_set_irqs(4 | 32, 1, 0, 2, &[])),
+                (9, access.encode()),
+                (10, write),
+                (
+                    16,
+                    crate::protocol::feature::encode_feature(8, (1 << 18) | 6, &[]),
+                ),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(400))]
+
+            #[test]
+            fn prop_decode_random_message_never_panics(
+                cmd in 0u16..24,
+                flags in any::<u32>(),
+                payload in vec(any::<u8>(), 0..200),
+                nfds in 0usize..6,
+            ) {
+                let hdr = Header {
+                    msg_id: 1,
+                    command: cmd,
+                    msg_size: (16 + payload.len()) as u32,
+                    flags,
+                    error: 0,
+                };
+                let _ = hdr.validate(1 << 20);
+                if let Err(e) = decode_request(&hdr, &payload, nfds, &LIMITS) {
+                    prop_assert!(e.errno() > 0);
+                }
+            }
+
+            #[test]
+            fn prop_decode_mutated_valid_message_never_panics(
+                which in 0usize..8,
+                pos in any::<prop::sample::Index>(),
+                byte in any::<u8>(),
+                cut in any::<prop::sample::Index>(),
+                nfds in 0usize..3,
+            ) {
+                let (cmd, mut payload) = seeds().swap_remove(which);
+                let i = pos.index(payload.len());
+                payload[i] = byte;
+                let keep = cut.index(payload.len() + 1);
+                payload.truncate(keep.max(payload.len() / 2));
+                let hdr = Header::command(1, Command::from_u16(cmd).unwrap(), payload.len());
+                if let Err(e) = decode_request(&hdr, &payload, nfds, &LIMITS) {
+                    prop_assert!(e.errno() > 0);
+                }
+            }
+        }
+    }
 }

@@ -40,6 +40,9 @@ pub struct Capabilities {
     /// A `migration` object was present (umdev does not support migration and never
     /// echoes it).
     pub migration: bool,
+    /// `migration.max_bitmap_size`, which only QEMU sends (used to recognize QEMU's
+    /// DMA_READ/DMA_WRITE layout, see [`super::dma_rw::DmaRwLayout`]).
+    pub migration_max_bitmap_size: Option<u64>,
     /// Which keys were present (so a reply can stay a subset of the proposal).
     pub present: Present,
 }
@@ -72,6 +75,7 @@ impl Default for Capabilities {
             twin_socket_fd_index: None,
             write_multiple: false,
             migration: false,
+            migration_max_bitmap_size: None,
             present: Present::default(),
         }
     }
@@ -174,7 +178,10 @@ impl Version {
             };
             caps.twin_socket_fd_index = cap_u32(t, "fd_index")?;
         }
-        caps.migration = c.get("migration").is_some();
+        if let Some(m) = c.get("migration") {
+            caps.migration = true;
+            caps.migration_max_bitmap_size = m.get("max_bitmap_size").and_then(Value::as_u64);
+        }
         Ok(caps)
     }
 
@@ -291,6 +298,7 @@ pub fn negotiate(
         twin_socket_fd_index: twin.then_some(0),
         write_multiple,
         migration: false,
+        migration_max_bitmap_size: None,
         present: Present {
             max_msg_fds: cc.present.max_msg_fds,
             max_data_xfer_size: cc.present.max_data_xfer_size,
@@ -372,6 +380,7 @@ mod tests {
         assert_eq!(v.caps.max_dma_maps, 65535);
         assert!(v.caps.write_multiple);
         assert!(v.caps.migration);
+        assert_eq!(v.caps.migration_max_bitmap_size, Some(268435456));
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! Reading follows a leader/follower rule so that no reply can be stuck behind a busy
 //! thread: whoever holds the read side reads; replies go straight to the waiting
-//! requester (slab of pending requests keyed by message id, one crossbeam channel each);
+//! requester (a table of pending requests keyed by message id, one crossbeam channel each;
+//! ids come from a wrapping counter, so a late reply to a timed-out request cannot be
+//! taken for the reply to the next one);
 //! commands read by a requester are queued in a backlog for the connection thread. The
 //! connection thread holds the read side only while it waits for the next message, never
 //! while it calls the device, so a requester (including the device on the connection
@@ -17,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
-use slab::Slab;
+use std::collections::HashMap;
 use tracing::{debug, warn};
 
 use super::socket_io::{
@@ -100,11 +102,19 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
     )
 }
 
+/// A command read by a requester, waiting for the connection thread (kept in arrival
+/// order, invalid ones included, so replies and error replies go out in order).
+#[derive(Debug)]
+enum Backlogged {
+    Command(Incoming),
+    Invalid(Header, ProtocolError),
+}
+
 /// The read side of the main socket.
 #[derive(Debug)]
 pub struct ReadSide {
     stream: UnixStream,
-    backlog: VecDeque<Incoming>,
+    backlog: VecDeque<Backlogged>,
     eof: bool,
 }
 
@@ -128,6 +138,41 @@ pub enum RequestError {
     BadReply(ProtocolError),
 }
 
+/// Most server→client requests in flight at once.
+const MAX_IN_FLIGHT: usize = 4096;
+
+/// Pending server→client requests by message id.
+#[derive(Debug, Default)]
+struct Pending {
+    waiting: HashMap<u16, Sender<Incoming>>,
+    next_id: u16,
+}
+
+impl Pending {
+    /// Register a requester; its message id is the next unused value of a wrapping counter.
+    fn insert(&mut self, tx: Sender<Incoming>) -> Option<u16> {
+        if self.waiting.len() >= MAX_IN_FLIGHT {
+            return None;
+        }
+        loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1);
+            if let std::collections::hash_map::Entry::Vacant(v) = self.waiting.entry(id) {
+                v.insert(tx);
+                return Some(id);
+            }
+        }
+    }
+
+    fn take(&mut self, id: u16) -> Option<Sender<Incoming>> {
+        self.waiting.remove(&id)
+    }
+
+    fn clear(&mut self) {
+        self.waiting.clear();
+    }
+}
+
 /// A connection's socket state, shared by the connection thread and requesters.
 #[derive(Debug)]
 pub struct Channel {
@@ -139,7 +184,7 @@ pub struct Channel {
     reader: Mutex<ReadSide>,
     twin: Mutex<Option<UnixStream>>,
     twin_active: AtomicBool,
-    pending: Mutex<Slab<Sender<Incoming>>>,
+    pending: Mutex<Pending>,
     closed: AtomicBool,
     max_xfer: AtomicU32,
     max_message: u32,
@@ -173,7 +218,7 @@ impl Channel {
             }),
             twin: Mutex::new(None),
             twin_active: AtomicBool::new(false),
-            pending: Mutex::new(Slab::new()),
+            pending: Mutex::new(Pending::default()),
             closed: AtomicBool::new(false),
             max_xfer: AtomicU32::new(max_xfer),
             max_message,
@@ -243,8 +288,8 @@ impl Channel {
 
     /// Deliver a reply to its requester.
     pub fn route_reply(&self, m: Incoming) {
-        let id = m.header.msg_id as usize;
-        match lock(&self.pending).try_remove(id) {
+        let id = m.header.msg_id;
+        match lock(&self.pending).take(id) {
             Some(tx) => {
                 let _ = tx.send(m);
             }
@@ -259,8 +304,15 @@ impl Channel {
     pub fn next_command(&self) -> Option<Incoming> {
         loop {
             let mut rs = lock(&self.reader);
-            if let Some(m) = rs.backlog.pop_front() {
-                return Some(m);
+            match rs.backlog.pop_front() {
+                Some(Backlogged::Command(m)) => return Some(m),
+                Some(Backlogged::Invalid(h, e)) => {
+                    drop(rs);
+                    warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
+                    self.send_error(&h, e.errno());
+                    continue;
+                }
+                None => {}
             }
             if rs.eof {
                 return None;
@@ -306,14 +358,13 @@ impl Channel {
         }
         match read_one(&rs.stream, self.max_message) {
             ReadResult::Message(m, MessageType::Reply) => self.route_reply(m),
-            ReadResult::Message(m, MessageType::Command) => rs.backlog.push_back(m),
-            ReadResult::Invalid(h, e) => {
-                warn!(msg_id = h.msg_id, command = h.command, error = %e, "invalid message");
-                self.send_error(&h, e.errno());
+            ReadResult::Message(m, MessageType::Command) => {
+                rs.backlog.push_back(Backlogged::Command(m))
             }
+            ReadResult::Invalid(h, e) => rs.backlog.push_back(Backlogged::Invalid(h, e)),
             ReadResult::Corrupt(h, e) => {
                 rs.eof = true;
-                self.send_error(&h, e.errno());
+                rs.backlog.push_back(Backlogged::Invalid(h, e));
             }
             ReadResult::Eof => rs.eof = true,
         }
@@ -330,14 +381,8 @@ impl Channel {
             return Err(RequestError::Disconnected);
         }
         let (tx, rx) = bounded(1);
-        let id = {
-            let mut p = lock(&self.pending);
-            if p.len() >= u16::MAX as usize {
-                return Err(RequestError::Busy);
-            }
-            p.insert(tx)
-        };
-        let hdr = Header::command(id as u16, cmd, payload.len());
+        let id = lock(&self.pending).insert(tx).ok_or(RequestError::Busy)?;
+        let hdr = Header::command(id, cmd, payload.len());
         let buf = encode_message(&hdr, payload);
         let twin = self.twin_active.load(Ordering::Acquire);
         let sent = if twin {
@@ -349,7 +394,7 @@ impl Channel {
             self.send(&buf, &[])
         };
         if sent.is_err() {
-            lock(&self.pending).try_remove(id);
+            lock(&self.pending).take(id);
             return Err(RequestError::Disconnected);
         }
         let deadline = Instant::now() + self.timeout;
@@ -361,14 +406,16 @@ impl Channel {
             }
             let now = Instant::now();
             if now >= deadline {
-                lock(&self.pending).try_remove(id);
+                lock(&self.pending).take(id);
                 return Err(RequestError::Timeout(self.timeout));
             }
             let slice = (deadline - now).min(PUMP_SLICE);
             if !twin {
                 if let Ok(mut rs) = self.reader.try_lock() {
-                    self.pump(&mut rs, slice);
-                    continue;
+                    if !rs.eof {
+                        self.pump(&mut rs, slice);
+                        continue;
+                    }
                 }
             }
             match rx.recv_timeout(slice) {
@@ -410,5 +457,87 @@ impl Channel {
             }
         }
         lock(&self.pending).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn pair(timeout_ms: u64) -> (Arc<Channel>, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let chan = Channel::new(a, 1 << 20, 4096, Duration::from_millis(timeout_ms)).unwrap();
+        (Arc::new(chan), b)
+    }
+
+    #[test]
+    fn test_request_reply_matched_by_id_while_commands_backlogged() {
+        let (chan, peer) = pair(2000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let ReadResult::Message(req, MessageType::Command) = read_one(&peer, 1 << 20) else {
+            panic!("expected the request");
+        };
+        // The client sends a command of its own first, then the reply.
+        let cmd = Header::command(77, Command::DeviceReset, 0);
+        send_message(&peer, &cmd.encode(), &[]).unwrap();
+        let reply = req.header.reply(3);
+        send_message(&peer, &encode_message(&reply, &[1, 2, 3]), &[]).unwrap();
+        let got = t.join().unwrap().unwrap();
+        assert_eq!(got.payload, vec![1, 2, 3]);
+        let next = chan.next_command().expect("backlogged command");
+        assert_eq!(next.header.msg_id, 77);
+    }
+
+    #[test]
+    fn test_request_timeout_then_late_reply_dropped() {
+        let (chan, peer) = pair(50);
+        let e = chan.request(Command::DmaRead, &[0; 16]).unwrap_err();
+        assert_eq!(e, RequestError::Timeout(Duration::from_millis(50)));
+        let ReadResult::Message(req, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the request");
+        };
+        send_message(&peer, &req.header.reply(0).encode(), &[]).unwrap();
+        drop(peer);
+        assert!(
+            chan.next_command().is_none(),
+            "late reply dropped, then EOF"
+        );
+    }
+
+    #[test]
+    fn test_request_after_timeout_uses_new_id_late_reply_not_misrouted() {
+        let (chan, peer) = pair(400);
+        assert!(chan.request(Command::DmaRead, &[0; 16]).is_err());
+        let ReadResult::Message(first, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the first request");
+        };
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let ReadResult::Message(second, _) = read_one(&peer, 1 << 20) else {
+            panic!("expected the second request");
+        };
+        assert_ne!(first.header.msg_id, second.header.msg_id);
+        // The late reply to the first request must not satisfy the second one.
+        send_message(&peer, &encode_message(&first.header.reply(1), &[1]), &[]).unwrap();
+        send_message(&peer, &encode_message(&second.header.reply(1), &[2]), &[]).unwrap();
+        assert_eq!(t.join().unwrap().unwrap().payload, vec![2]);
+    }
+
+    #[test]
+    fn test_request_fails_fast_on_disconnect() {
+        let (chan, peer) = pair(5000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaWrite, &[0; 16]));
+        let _ = read_one(&peer, 1 << 20);
+        let start = Instant::now();
+        drop(peer);
+        assert_eq!(t.join().unwrap().unwrap_err(), RequestError::Disconnected);
+        assert!(start.elapsed() < Duration::from_secs(1));
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::Disconnected
+        );
     }
 }

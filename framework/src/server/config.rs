@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
 };
@@ -39,6 +40,10 @@ pub struct ServerConfig {
     pub twin_socket: bool,
     /// How long a server→client DMA_READ/DMA_WRITE waits for its reply.
     pub remote_dma_timeout: Duration,
+    /// Layout of server→client DMA_READ/DMA_WRITE data. `None` (default) picks per client:
+    /// QEMU's layout for a client that proposes `migration.max_bitmap_size` (only QEMU
+    /// does), the spec's otherwise.
+    pub dma_rw_layout: Option<DmaRwLayout>,
 }
 
 impl ServerConfig {
@@ -55,6 +60,7 @@ impl ServerConfig {
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),
+            dma_rw_layout: None,
         }
     }
 

@@ -5,13 +5,17 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use tracing::{debug, debug_span, info, warn};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use tracing::{debug, debug_span, error, info, warn};
 
 use super::channel::{Channel, Incoming};
+use super::error::error_chain;
 use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
 use crate::device::{Device, DeviceInfo};
 use crate::dma::DmaSpace;
+use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{negotiate, Version};
 use crate::protocol::{decode_request, Command, Header, Limits, Request, HEADER_SIZE};
 
@@ -110,7 +114,9 @@ impl Connection {
         }
     }
 
-    /// Serve until the client disconnects, then release its DMA maps and IRQ fds.
+    /// Serve until the client disconnects, then release its DMA maps and IRQ fds. A panic
+    /// in the device while handling a message is answered with EIO and ends the connection
+    /// (with the usual teardown), not the server.
     pub fn run(mut self) {
         info!("client connected");
         while let Some(m) = self.chan.next_command() {
@@ -132,7 +138,16 @@ impl Connection {
             errno = tracing::field::Empty
         );
         let _enter = span.enter();
-        match self.process(&hdr, &m.payload, m.fds) {
+        let fds = m.fds;
+        let result = catch_unwind(AssertUnwindSafe(|| self.process(&hdr, &m.payload, fds)));
+        let Ok(result) = result else {
+            error!("the device panicked while handling {name}; closing the connection");
+            span.record("errno", libc::EIO);
+            self.chan.send_error(&hdr, libc::EIO);
+            self.chan.close();
+            return;
+        };
+        match result {
             Ok(Some(mut reply)) => {
                 if hdr.no_reply() {
                     return;
@@ -146,10 +161,14 @@ impl Connection {
             Err(e) => {
                 let errno = e.errno();
                 span.record("errno", errno);
+                let mut why = error_chain(&e);
+                if !why.starts_with(name) {
+                    why = format!("{name}: {why}");
+                }
                 if hdr.no_reply() {
-                    warn!("{name} (no reply requested) failed: {e}");
+                    warn!("{why} (no reply requested)");
                 } else {
-                    warn!("{name} failed, answering errno {errno}: {e}");
+                    warn!("{why}; answering errno {errno}");
                     self.chan.send_error(&hdr, errno);
                 }
             }
@@ -218,8 +237,17 @@ impl Connection {
             .send(reply.finish(hdr), &fds)
             .map_err(|e| ServerError::io("sending the VERSION reply", e))?;
         drop(twin_client);
+        let layout =
+            self.config
+                .dma_rw_layout
+                .unwrap_or(if v.caps.migration_max_bitmap_size.is_some() {
+                    DmaRwLayout::Qemu
+                } else {
+                    DmaRwLayout::Spec
+                });
         self.dma
-            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone()))));
+            .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
+        self.dma.set_max_dma_maps(n.max_dma_maps);
         self.negotiated = true;
         if let Err(e) = self.chan.set_read_timeout(None) {
             warn!(error = %e, "cannot lift the negotiation timeout");
@@ -230,6 +258,7 @@ impl Connection {
             max_dma_maps = n.max_dma_maps,
             write_multiple = n.write_multiple,
             twin_socket = n.twin_socket,
+            dma_rw_layout = ?layout,
             "version negotiated"
         );
         Ok(None)

@@ -100,27 +100,36 @@ impl Connection {
                 );
                 Ok(Reply::empty())
             }
-            Err(e) => {
-                warn!(
-                    "DMA_MAP iova={:#x} size={:#x} rejected: {e}",
-                    m.iova, m.size
-                );
-                Err(ServerError::Dma(e))
-            }
+            Err(source) => Err(ServerError::DmaRejected {
+                iova: m.iova,
+                size: m.size,
+                source,
+            }),
         }
     }
 
     pub(super) fn dma_unmap(&mut self, u: DmaUnmapRequest) -> Result<Reply, ServerError> {
         let mut dev = lock_device(&self.device);
+        if u.is_all() {
+            let report = self
+                .dma
+                .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size));
+            debug!(maps = report.maps_removed, "DMA_UNMAP all");
+            if report.leftover_pins > 0 {
+                warn!(
+                    leftover_pins = report.leftover_pins,
+                    "DMA_UNMAP all: device left pins behind; force-released"
+                );
+            }
+            return Ok(Reply::from_payload(&u.encode()));
+        }
         let report = self
             .dma
             .unmap(u.iova, u.size, &mut |iova, size| dev.dma_unmap(iova, size))
-            .map_err(|e| {
-                warn!(
-                    "DMA_UNMAP iova={:#x} size={:#x} rejected: {e}",
-                    u.iova, u.size
-                );
-                ServerError::Dma(e)
+            .map_err(|source| ServerError::DmaRejected {
+                iova: u.iova,
+                size: u.size,
+                source,
             })?;
         self.mapped_bytes = self.mapped_bytes.saturating_sub(u.size);
         if report.leftover_pins > 0 {

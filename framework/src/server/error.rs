@@ -29,11 +29,22 @@ pub enum ServerError {
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
     /// The device refused the request.
-    #[error("device: {0}")]
+    #[error("device refused")]
     Device(#[source] DeviceError),
     /// The DMA layer refused the request.
-    #[error("DMA: {0}")]
+    #[error("DMA layer refused")]
     Dma(#[source] DmaError),
+    /// The DMA layer refused a DMA_MAP / DMA_UNMAP of this range.
+    #[error("iova={iova:#x} size={size:#x} rejected")]
+    DmaRejected {
+        /// Start of the range.
+        iova: u64,
+        /// Size of the range.
+        size: u64,
+        /// Why.
+        #[source]
+        source: DmaError,
+    },
     /// A region/IRQ index or range outside what the device reports.
     #[error("{0}")]
     OutOfRange(String),
@@ -61,7 +72,7 @@ impl ServerError {
         match self {
             ServerError::Protocol(e) => e.errno(),
             ServerError::Device(e) => nonzero(e.errno()),
-            ServerError::Dma(e) => nonzero(e.errno()),
+            ServerError::Dma(e) | ServerError::DmaRejected { source: e, .. } => nonzero(e.errno()),
             ServerError::OutOfRange(_) | ServerError::BadState(_) => libc::EINVAL,
             ServerError::Io { source, .. } => nonzero(source.raw_os_error().unwrap_or(libc::EIO)),
             ServerError::SocketInUse(_) => libc::EADDRINUSE,
@@ -74,6 +85,18 @@ impl ServerError {
     pub(crate) fn io(what: &'static str, source: io::Error) -> Self {
         ServerError::Io { what, source }
     }
+}
+
+/// `e` and its chain of sources, joined with ": " (for one-line logs).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 fn nonzero(e: i32) -> i32 {

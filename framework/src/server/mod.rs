@@ -9,7 +9,7 @@
 //!
 //! Per connection ([`connection`]): VERSION first, then every command is decoded by
 //! [`crate::protocol`], bounds-checked against the device's regions and IRQs, and
-//! dispatched ([`dispatch`]): DMA_MAP/UNMAP and DMA logging to the DMA space, the rest to
+//! dispatched (`dispatch.rs`): DMA_MAP/UNMAP and DMA logging to the DMA space, the rest to
 //! the device. Errors go back as error replies with a fitting errno (never 0); commands
 //! with No_reply get no reply at all. On disconnect all DMA maps are removed, the
 //! server→client path is uninstalled and the device drops its IRQ fds; device state stays.

@@ -7,21 +7,20 @@ use tracing::warn;
 
 use super::channel::{Channel, RequestError};
 use crate::dma::{DmaError, RemoteDma};
-use crate::protocol::dma_rw::{
-    decode_dma_read_reply, decode_dma_write_reply, encode_dma_read, put_dma_write,
-};
+use crate::protocol::dma_rw::{decode_dma_write_reply, encode_dma_read, DmaRwLayout};
 use crate::protocol::Command;
 
 /// The server→client DMA path of one connection.
 #[derive(Debug, Clone)]
 pub struct ClientDma {
     chan: Arc<Channel>,
+    layout: DmaRwLayout,
 }
 
 impl ClientDma {
-    /// DMA through `chan`.
-    pub fn new(chan: Arc<Channel>) -> Self {
-        ClientDma { chan }
+    /// DMA through `chan`, with data placed per `layout`.
+    pub fn new(chan: Arc<Channel>, layout: DmaRwLayout) -> Self {
+        ClientDma { chan, layout }
     }
 
     fn fail(&self, op: &str, iova: u64, len: usize, e: RequestError) -> DmaError {
@@ -56,7 +55,9 @@ impl ClientDma {
             let reply = self
                 .chan
                 .request(Command::DmaRead, &encode_dma_read(addr, n as u64))?;
-            let data = decode_dma_read_reply(&reply.payload, addr, n as u64)
+            let data = self
+                .layout
+                .decode_read_reply(&reply.payload, addr, n as u64)
                 .map_err(RequestError::BadReply)?;
             buf[done..done + n].copy_from_slice(data);
             done += n;
@@ -75,7 +76,7 @@ impl ClientDma {
                     crate::protocol::ProtocolError::invalid("DMA_WRITE", "address wraps"),
                 ))?;
             payload.clear();
-            put_dma_write(&mut payload, addr, chunk);
+            self.layout.put_write(&mut payload, addr, chunk);
             let reply = self.chan.request(Command::DmaWrite, &payload)?;
             decode_dma_write_reply(&reply.payload, addr, chunk.len() as u64)
                 .map_err(RequestError::BadReply)?;

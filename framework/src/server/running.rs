@@ -102,7 +102,11 @@ impl Drop for RunningServer {
 
 impl Server {
     /// A server for `device`, applying DMA to `dma` (which outlives client connections).
-    pub fn new(config: ServerConfig, device: Box<dyn Device>, dma: Arc<DmaSpace>) -> Server {
+    ///
+    /// The max_dma_maps offered in VERSION is the smaller of `config.max_dma_maps` and the
+    /// DMA space's own limit, and the negotiated value is what the DMA space enforces.
+    pub fn new(mut config: ServerConfig, device: Box<dyn Device>, dma: Arc<DmaSpace>) -> Server {
+        config.max_dma_maps = config.max_dma_maps.min(dma.max_dma_maps());
         Server {
             config,
             device,
@@ -141,7 +145,8 @@ impl Server {
         })
     }
 
-    /// Serve on the calling thread until shut down (use [`Server::spawn`] for a handle).
+    /// Serve until the process ends, blocking the caller. Use [`Server::spawn`] to get a
+    /// [`ShutdownHandle`] and stop the server cleanly.
     pub fn run(self) -> Result<(), ServerError> {
         self.spawn()?.join()
     }

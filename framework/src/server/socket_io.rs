@@ -12,6 +12,8 @@ use crate::protocol::{Header, HEADER_SIZE};
 /// Room for this many fds in the control buffer; more than that sets MSG_CTRUNC (the
 /// kernel closes what did not fit) and the message is rejected.
 pub const FD_SLOTS: usize = 32;
+/// Control buffer size in u64 words: CMSG_SPACE(32 fds) = 16-byte cmsghdr + 128 bytes.
+const CBUF_WORDS: usize = (16 + FD_SLOTS * mem::size_of::<RawFd>()).div_ceil(8);
 
 /// A received header with the fds that came with it.
 #[derive(Debug)]
@@ -27,11 +29,10 @@ pub struct RawHeader {
 /// Receive one header (16 bytes) and its fds. `Ok(None)` on EOF before any byte.
 pub fn recv_header(stream: &UnixStream) -> io::Result<Option<RawHeader>> {
     let mut bytes = [0u8; HEADER_SIZE];
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let space =
-        // SAFETY: CMSG_SPACE only computes a size from its argument.
-        unsafe { libc::CMSG_SPACE((FD_SLOTS * mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // u64 storage keeps the control buffer aligned for cmsghdr; on the stack, so the hot
+    // path does not allocate.
+    let mut cbuf = [0u64; CBUF_WORDS];
+    let space = CBUF_WORDS * 8;
     let mut iov = libc::iovec {
         iov_base: bytes.as_mut_ptr().cast(),
         iov_len: HEADER_SIZE,
@@ -198,6 +199,13 @@ mod tests {
         let mut p = [0u8; 4];
         recv_payload(&b, &mut p).unwrap();
         assert_eq!(p, [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn test_control_buffer_holds_fd_slots() {
+        // SAFETY: CMSG_SPACE only computes a size from its argument.
+        let need = unsafe { libc::CMSG_SPACE((FD_SLOTS * mem::size_of::<RawFd>()) as u32) };
+        assert!(CBUF_WORDS * 8 >= need as usize);
     }
 
     #[test]
