@@ -1173,8 +1173,8 @@ fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
 #[test]
 fn test_hostile_maps_beyond_limit_enospc_then_usable() {
     let _g = serial();
-    let ts = TestServer::start();
-    ts.dma.set_max_dma_maps(8);
+    // The negotiated max_dma_maps (min of the client's and the server's) is enforced.
+    let ts = TestServer::start_with(|c| c.max_dma_maps = 8);
     let mem = common::memfd(0x1000);
     let baseline = fd_count();
     let mut c = RawClient::new_default(&ts.path);
