@@ -343,3 +343,33 @@ fn test_hostile_disconnect_every_boundary_releases_all_next_client_ok() {
 fn test_hostile_disconnect_every_boundary_twin_socket_releases_all() {
     every_boundary(true);
 }
+
+#[test]
+fn test_hostile_disconnect_200_reconnects_no_fd_thread_or_rss_growth() {
+    let _g = serial();
+    let ts = TestServer::start();
+    // One session first so lazily created state (log subscriber, ...) exists.
+    full_session(&ts, false);
+    ts.wait_for("first session gone", |s| s.disconnects == 1);
+    let fds = fd_count();
+    let threads = thread_count();
+    let mut rss_warm = 0;
+    for i in 0..200u32 {
+        if i == 40 {
+            rss_warm = rss_kib();
+        }
+        let stop = STOPS[i as usize % STOPS.len()];
+        drop(script(&ts.path, stop, i % 2 == 1));
+        ts.wait_for("hang-up seen", |s| s.disconnects == 2 + i);
+    }
+    settle_dma(&ts.dma, 0, "after 200 reconnects");
+    settle_fds(fds, "after 200 reconnects");
+    let after = settle_threads(threads);
+    assert!(after <= threads, "threads grew from {threads} to {after}");
+    let rss = rss_kib();
+    eprintln!("200 reconnects: VmRSS {rss_warm} KiB after 40, {rss} KiB after 200");
+    assert!(
+        rss <= rss_warm + 2048,
+        "RSS grew from {rss_warm} KiB to {rss} KiB over 160 sessions"
+    );
+}

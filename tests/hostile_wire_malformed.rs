@@ -1169,3 +1169,131 @@ fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
     settle_fds(baseline, "after unmap");
     settle_dma(&ts.dma, 0, "after unmap");
 }
+
+#[test]
+fn test_hostile_maps_beyond_limit_enospc_then_usable() {
+    let _g = serial();
+    // The negotiated max_dma_maps (min of the client's and the server's) is enforced.
+    let ts = TestServer::start_with(|c| c.max_dma_maps = 8);
+    let mem = common::memfd(0x1000);
+    let baseline = fd_count();
+    let mut c = RawClient::new_default(&ts.path);
+    let connected = fd_count();
+    let map_at = |c: &mut RawClient, i: u64| {
+        let fds = if i.is_multiple_of(2) {
+            vec![mem.as_raw_fd()]
+        } else {
+            vec![]
+        };
+        c.call(
+            Command::DmaMap as u16,
+            0,
+            &map_req(3, 0, 0x100_0000 + i * 0x1000, 0x1000),
+            &fds,
+        )
+    };
+    for i in 0..8 {
+        let r = map_at(&mut c, i);
+        assert!(!r.header.is_error(), "map {i}: errno {}", r.header.error);
+    }
+    for i in 8..12 {
+        let r = map_at(&mut c, i);
+        assert!(r.header.is_error(), "map {i} beyond the limit accepted");
+        assert_eq!(r.header.error, libc::ENOSPC as u32);
+    }
+    assert_eq!(ts.dma.stats().maps, 8);
+    usable(&mut c, "at the map limit");
+    // Making room lets the next map in.
+    let r = c.call(
+        Command::DmaUnmap as u16,
+        0,
+        &unmap_req(24, 0, 0x100_0000, 0x1000),
+        &[],
+    );
+    assert!(!r.header.is_error());
+    assert!(!map_at(&mut c, 20).header.is_error());
+    // Rejected maps kept no fd (a mapping keeps its memory, not the fd).
+    settle_fds(connected, "at the map limit");
+    drop(c);
+    settle_dma(&ts.dma, 0, "after hang-up at the limit");
+    settle_fds(baseline, "after hang-up at the limit");
+}
+
+/// Found by the `server_stream` fuzz target (artifact oom-100c440f…): an fd-less DMA_MAP of
+/// 0x9000600004000 bytes made the DMA layer allocate pin-table slots for 2.5 PB of pages
+/// (gigabytes) and the process ran out of memory. The server now bounds the bytes one
+/// client may have mapped (`ServerConfig::max_dma_mapped_bytes`, ENOSPC beyond).
+#[test]
+fn test_hostile_huge_fdless_map_enospc_without_allocating() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    let rss0 = rss_kib();
+    for size in [0x9000600004000u64, 1 << 62, 1 << 50] {
+        let iova: u64 = 0x80_0000;
+        let Some(_) = iova.checked_add(size) else {
+            continue;
+        };
+        let r = c.call(Command::DmaMap as u16, 0, &map_req(3, 0, iova, size), &[]);
+        assert!(r.header.is_error(), "map of {size:#x} accepted");
+        assert_eq!(r.header.error, libc::ENOSPC as u32, "size {size:#x}");
+    }
+    let grown = rss_kib().saturating_sub(rss0);
+    assert!(grown < 16 * 1024, "RSS grew {grown} KiB for refused maps");
+    // A large map inside the budget still works (1 TiB, fd-less), and is released.
+    let r = c.call(
+        Command::DmaMap as u16,
+        0,
+        &map_req(3, 0, 1 << 40, 1 << 40),
+        &[],
+    );
+    assert!(!r.header.is_error(), "1 TiB map: errno {}", r.header.error);
+    let r = c.call(
+        Command::DmaUnmap as u16,
+        0,
+        &unmap_req(24, 0, 1 << 40, 1 << 40),
+        &[],
+    );
+    assert!(!r.header.is_error());
+    usable(&mut c, "after huge maps");
+    settle_dma(&ts.dma, 0, "after huge maps");
+}
+
+#[test]
+fn test_hostile_mapped_bytes_budget_configurable_freed_by_unmap() {
+    let _g = serial();
+    let ts = TestServer::start_with(|c| c.max_dma_mapped_bytes = 1 << 30);
+    let mut c = RawClient::new_default(&ts.path);
+    let half = 1u64 << 29;
+    for i in 0..2 {
+        let r = c.call(
+            Command::DmaMap as u16,
+            0,
+            &map_req(3, 0, i * half, half),
+            &[],
+        );
+        assert!(!r.header.is_error(), "map {i}: errno {}", r.header.error);
+    }
+    let r = c.call(
+        Command::DmaMap as u16,
+        0,
+        &map_req(3, 0, 2 * half, 0x1000),
+        &[],
+    );
+    assert_eq!(r.header.error, libc::ENOSPC as u32, "over the budget");
+    let r = c.call(Command::DmaUnmap as u16, 0, &unmap_req(24, 0, 0, half), &[]);
+    assert!(!r.header.is_error());
+    let r = c.call(
+        Command::DmaMap as u16,
+        0,
+        &map_req(3, 0, 2 * half, half),
+        &[],
+    );
+    assert!(!r.header.is_error(), "budget not freed by the unmap");
+    // A new client starts from zero.
+    drop(c);
+    settle_dma(&ts.dma, 0, "after hang-up");
+    let mut c = RawClient::new_default(&ts.path);
+    let r = c.call(Command::DmaMap as u16, 0, &map_req(3, 0, 0, 1 << 30), &[]);
+    assert!(!r.header.is_error(), "budget kept across clients");
+}

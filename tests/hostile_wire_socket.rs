@@ -133,3 +133,158 @@ fn test_socket_path_not_a_socket_left_alone() {
     assert!(matches!(spawn_at(&link), Err(ServerError::NotASocket(_))));
     assert!(stale.exists() && link.exists());
 }
+
+#[test]
+fn test_socket_client_not_reading_replies_shutdown_still_returns() {
+    let _g = serial();
+    let mut ts = TestServer::start();
+    let mut c = RawClient::new_default(&ts.path);
+    // Ask for far more reply bytes than the socket buffers hold and never read them: the
+    // connection thread ends up blocked in sendmsg.
+    let a = umdev::protocol::region_access::RegionAccess {
+        offset: 0,
+        region: 2,
+        count: 0x10000,
+    };
+    for _ in 0..64 {
+        c.send(Command::RegionRead as u16, 0, &a.encode(), &[]);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let server = ts.server.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(server.shutdown());
+    });
+    let r = rx.recv_timeout(std::time::Duration::from_secs(5));
+    assert!(
+        r.is_ok(),
+        "shutdown hangs while a client does not read its replies"
+    );
+    drop(c);
+}
+
+#[test]
+fn test_socket_connection_storm_refusals_bounded_first_session_intact() {
+    let _g = serial();
+    let ts = TestServer::start();
+    let mut first = RawClient::new_default(&ts.path);
+    let fds = fd_count();
+    let threads = thread_count();
+    // 12 clients connect at once and say nothing: at most 4 refusal threads run (each
+    // refused connection costs the accept loop up to 100 ms, so the storm stays small).
+    let storm: Vec<UnixStream> = (0..12)
+        .map(|_| UnixStream::connect(&ts.path).unwrap())
+        .collect();
+    let mut peak = 0;
+    for _ in 0..40 {
+        peak = peak.max(thread_count());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        peak <= threads + 4,
+        "{peak} threads during the storm (from {threads})"
+    );
+    assert_eq!(first.region_read(7, 0, 4), vec![0, 1, 2, 3]);
+    for s in &storm {
+        assert!(closed_by_peer(s), "a storm connection stayed open");
+    }
+    drop(storm);
+    settle_fds(fds, "after the storm");
+    assert_eq!(first.region_read(7, 4, 4), vec![4, 5, 6, 7]);
+    assert_eq!(ts.state().disconnects, 0);
+}
+
+#[test]
+fn test_socket_umdev_run_socket_mode_option_applied() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("gpu.sock");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "gpu", "--socket-mode", "640", "--socket"])
+        .arg(&sock)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The file exists a moment before its mode is set (bind, then chmod): poll for both.
+    let mut mode = None;
+    while mode != Some(0o640) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        mode = sock.exists().then(|| mode_of(&sock));
+    }
+    // SAFETY: sending SIGINT to our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait_with_output().unwrap().status;
+    assert_eq!(
+        mode,
+        Some(0o640),
+        "socket mode of umdev run --socket-mode 640"
+    );
+    assert!(status.success(), "umdev run exited with {status:?}");
+}
+
+#[test]
+fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_idle() {
+    let _g = serial();
+    let ts =
+        TestServer::start_with(|c| c.negotiation_timeout = std::time::Duration::from_millis(200));
+    // Connects and never says VERSION: disconnected, the slot is free again.
+    let t0 = std::time::Instant::now();
+    let silent = UnixStream::connect(&ts.path).unwrap();
+    assert!(closed_by_peer(&silent), "silent client kept");
+    let waited = t0.elapsed();
+    assert!(
+        waited < std::time::Duration::from_secs(2),
+        "closed only after {waited:?}"
+    );
+    ts.wait_for("silent client torn down", |s| s.disconnects == 1);
+    // Half a header, then nothing: same.
+    let mut half = RawClient::connect(&ts.path);
+    half.send_raw(&raw_header(1, Command::Version as u16, 40, 0)[..8], &[]);
+    assert!(closed_by_peer(&half.stream), "half-header client kept");
+    ts.wait_for("half-header client torn down", |s| s.disconnects == 2);
+    // A negotiated client may stay idle for longer than the timeout.
+    let mut c = RawClient::new_default(&ts.path);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
+    assert_eq!(ts.state().disconnects, 2);
+}
+
+#[test]
+fn test_socket_bound_privately_no_leftovers_long_path_falls_back() {
+    let _g = serial();
+    common::init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dev.sock");
+    let s = spawn_at(&path).unwrap();
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["dev.sock".to_string()],
+        "leftovers of the private bind"
+    );
+    assert_eq!(mode_of(&path), 0o600);
+    let mut c = RawClient::new_default(&path);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    drop(c);
+    drop(s);
+    // A directory so deep that the private bind path would not fit in sun_path (108
+    // bytes) while the socket path itself does: plain bind + chmod.
+    let room = 100 - dir.path().as_os_str().len();
+    let deep = dir.path().join("d".repeat(room - 1));
+    std::fs::create_dir(&deep).unwrap();
+    let long = deep.join("s");
+    assert!(long.as_os_str().len() < 108);
+    let s = spawn_at(&long).unwrap();
+    assert_eq!(mode_of(&long), 0o600);
+    let mut c = RawClient::new_default(&long);
+    assert_eq!(c.region_read(7, 0, 1), vec![0]);
+    drop(c);
+    drop(s);
+    assert_eq!(std::fs::read_dir(&deep).unwrap().count(), 0, "leftovers");
+    std::fs::remove_dir(&deep).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}

@@ -6,7 +6,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use umdev::device::Device;
+use umdev::device::{Device, DeviceError, DeviceInfo, SetIrqs};
+use umdev::dma::DmaHandle;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::server::channel::Channel;
 use umdev::server::connection::Connection;
@@ -15,6 +16,47 @@ use umdev::server::ServerConfig;
 #[path = "../../tests/common/test_device.rs"]
 #[allow(dead_code)]
 pub mod test_device;
+
+/// The test device minus its deliberate-panic register (`REG_PANIC`, which exists to test
+/// that the server survives a panicking device): libFuzzer's panic hook aborts on every
+/// panic, caught or not, so writes there are refused instead.
+struct Fuzzed(test_device::TestDevice);
+
+impl Device for Fuzzed {
+    fn info(&self) -> DeviceInfo {
+        self.0.info()
+    }
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        self.0.region_read(region, offset, data)
+    }
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let end = offset.saturating_add(data.len() as u64);
+        if region == 0 && offset < test_device::REG_PANIC + 8 && end > test_device::REG_PANIC {
+            return Err(DeviceError::InvalidArgument("panic register".into()));
+        }
+        self.0.region_write(region, offset, data)
+    }
+    fn attach(&mut self, dma: DmaHandle) {
+        self.0.attach(dma)
+    }
+    fn set_irqs(&mut self, req: SetIrqs) -> Result<(), DeviceError> {
+        self.0.set_irqs(req)
+    }
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        self.0.reset()
+    }
+    fn dma_unmap(&mut self, iova: u64, size: u64) {
+        self.0.dma_unmap(iova, size)
+    }
+    fn disconnected(&mut self) {
+        self.0.disconnected()
+    }
+}
 
 /// A memfd of `size` bytes (used by the test device for its BAR2).
 pub fn memfd(size: u64) -> std::fs::File {
@@ -40,7 +82,7 @@ pub fn run_stream(bytes: &[u8], twin: bool) {
     config.twin_socket = twin;
     let (device, _state) = test_device::TestDevice::new();
     let dma = DmaSpace::new(DmaConfig::default());
-    let mut device: Box<dyn Device> = Box::new(device);
+    let mut device: Box<dyn Device> = Box::new(Fuzzed(device));
     device.attach(dma.handle());
     let device = Arc::new(Mutex::new(device));
     let chan = Arc::new(

@@ -129,3 +129,24 @@ pub fn pipe() -> (OwnedFd, OwnedFd) {
 pub fn dir_fd(path: &std::path::Path) -> File {
     File::open(path).unwrap()
 }
+
+/// Threads of this process (from /proc/self/status).
+pub fn thread_count() -> usize {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("Threads in /proc/self/status")
+}
+
+/// Wait (≤ 3 s) until at most `n` threads run; return the count seen last.
+pub fn settle_threads(n: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let t = thread_count();
+        if t <= n || Instant::now() > deadline {
+            return t;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -15,7 +15,7 @@ use std::collections::VecDeque;
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
@@ -177,6 +177,10 @@ impl Pending {
 #[derive(Debug)]
 pub struct Channel {
     writer: Mutex<UnixStream>,
+    /// Clones used only to shut the sockets down: a sender blocked in `sendmsg` (a client
+    /// that stops reading) holds the writer lock, and `close` must not wait for it.
+    control: UnixStream,
+    twin_control: OnceLock<UnixStream>,
     reader: Mutex<ReadSide>,
     twin: Mutex<Option<UnixStream>>,
     twin_active: AtomicBool,
@@ -202,8 +206,11 @@ impl Channel {
         timeout: Duration,
     ) -> std::io::Result<Channel> {
         let reader = stream.try_clone()?;
+        let control = stream.try_clone()?;
         Ok(Channel {
             writer: Mutex::new(stream),
+            control,
+            twin_control: OnceLock::new(),
             reader: Mutex::new(ReadSide {
                 stream: reader,
                 backlog: VecDeque::new(),
@@ -231,6 +238,9 @@ impl Channel {
 
     /// Route server→client requests over `twin` from now on.
     pub fn set_twin(&self, twin: UnixStream) {
+        if let Ok(c) = twin.try_clone() {
+            let _ = self.twin_control.set(c);
+        }
         *lock(&self.twin) = Some(twin);
         self.twin_active.store(true, Ordering::Release);
     }
@@ -254,13 +264,19 @@ impl Channel {
         }
     }
 
+    /// Bound every read on the main socket (`None`: wait forever); used until VERSION.
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.control.set_read_timeout(timeout)
+    }
+
     /// Mark the connection closed and fail every pending request.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
         lock(&self.pending).clear();
-        let w = lock(&self.writer);
-        let _ = w.shutdown(std::net::Shutdown::Both);
-        if let Some(t) = lock(&self.twin).as_ref() {
+        // Not through the writer/twin locks: their holder may be blocked in sendmsg, and
+        // shutting the socket down is what wakes it.
+        let _ = self.control.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.twin_control.get() {
             let _ = t.shutdown(std::net::Shutdown::Both);
         }
     }

@@ -8,6 +8,9 @@ use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
 };
 
+/// Default of [`ServerConfig::max_dma_mapped_bytes`]: 16 TiB.
+pub const DEFAULT_MAX_DMA_MAPPED_BYTES: u64 = 16 << 40;
+
 /// How a [`super::Server`] listens and what it offers in VERSION.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -21,6 +24,16 @@ pub struct ServerConfig {
     pub max_data_xfer_size: u32,
     /// Most DMA maps advertised (the [`crate::dma::DmaSpace`] enforces its own limit).
     pub max_dma_maps: u32,
+    /// Most bytes one client may have DMA-mapped at once (sum of its map sizes; beyond it
+    /// DMA_MAP fails with ENOSPC). The DMA layer keeps bookkeeping proportional to the
+    /// mapped size even for fd-less maps, so this bounds what a client can make the server
+    /// allocate. Default 16 TiB.
+    pub max_dma_mapped_bytes: u64,
+    /// How long a new client may stay silent before its VERSION: each read before the
+    /// negotiation waits at most this long, then the client is disconnected (it would
+    /// otherwise hold the single client slot without ever using it). Default 10 s; zero
+    /// means no limit; no limit applies once VERSION is negotiated.
+    pub negotiation_timeout: Duration,
     /// DMA page size (mappings must be aligned to it).
     pub pgsize: u64,
     /// Offer twin-socket mode to clients that support it.
@@ -42,6 +55,8 @@ impl ServerConfig {
             max_msg_fds: 16,
             max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
             max_dma_maps: DEFAULT_MAX_DMA_MAPS,
+            max_dma_mapped_bytes: DEFAULT_MAX_DMA_MAPPED_BYTES,
+            negotiation_timeout: Duration::from_secs(10),
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),

@@ -76,6 +76,8 @@ pub struct Connection {
     pub(super) limits: Limits,
     pub(super) negotiated: bool,
     pub(super) info: DeviceInfo,
+    /// Sum of the sizes of this client's live DMA maps.
+    pub(super) mapped_bytes: u64,
     twin_thread: Option<JoinHandle<()>>,
 }
 
@@ -107,6 +109,7 @@ impl Connection {
             limits,
             negotiated: false,
             info,
+            mapped_bytes: 0,
             twin_thread: None,
         }
     }
@@ -246,6 +249,9 @@ impl Connection {
             .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
         self.dma.set_max_dma_maps(n.max_dma_maps);
         self.negotiated = true;
+        if let Err(e) = self.chan.set_read_timeout(None) {
+            warn!(error = %e, "cannot lift the negotiation timeout");
+        }
         info!(
             client_minor = v.minor,
             max_data_xfer_size = n.max_data_xfer_size,

@@ -64,6 +64,22 @@ impl Connection {
             read: m.flags & DMA_MAP_FLAG_READ != 0,
             write: m.flags & DMA_MAP_FLAG_WRITE != 0,
         };
+        let max = self.config.max_dma_mapped_bytes;
+        if self
+            .mapped_bytes
+            .checked_add(m.size)
+            .is_none_or(|total| total > max)
+        {
+            warn!(
+                "DMA_MAP iova={:#x} size={:#x} rejected: mapped-bytes budget",
+                m.iova, m.size
+            );
+            return Err(ServerError::DmaBudget {
+                size: m.size,
+                mapped: self.mapped_bytes,
+                max,
+            });
+        }
         let fd = fds.into_iter().next();
         let has_fd = fd.is_some();
         let mapping = DmaMapping {
@@ -75,6 +91,7 @@ impl Connection {
         };
         match self.dma.map(mapping) {
             Ok(()) => {
+                self.mapped_bytes += m.size;
                 debug!(
                     iova = format_args!("{:#x}", m.iova),
                     size = format_args!("{:#x}", m.size),
@@ -114,6 +131,7 @@ impl Connection {
                 size: u.size,
                 source,
             })?;
+        self.mapped_bytes = self.mapped_bytes.saturating_sub(u.size);
         if report.leftover_pins > 0 {
             warn!(
                 leftover_pins = report.leftover_pins,

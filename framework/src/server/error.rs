@@ -54,6 +54,16 @@ pub enum ServerError {
     /// The server thread panicked.
     #[error("server thread panicked")]
     Panicked,
+    /// A DMA_MAP would take the client past [`super::ServerConfig::max_dma_mapped_bytes`].
+    #[error("DMA_MAP of {size:#x} bytes would exceed the mapped-bytes budget ({mapped:#x} of {max:#x} in use)")]
+    DmaBudget {
+        /// Size of the refused map.
+        size: u64,
+        /// Bytes mapped now.
+        mapped: u64,
+        /// The budget.
+        max: u64,
+    },
 }
 
 impl ServerError {
@@ -68,6 +78,7 @@ impl ServerError {
             ServerError::SocketInUse(_) => libc::EADDRINUSE,
             ServerError::NotASocket(_) => libc::EEXIST,
             ServerError::Panicked => libc::EIO,
+            ServerError::DmaBudget { .. } => libc::ENOSPC,
         }
     }
 

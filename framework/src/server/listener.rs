@@ -1,13 +1,17 @@
 //! The listening socket: refuse to clobber a live server, remove a stale socket, set the
-//! file mode, remove the file again when done.
+//! file mode before anyone can connect (bind in a private directory, chmod, move into
+//! place), remove the file again when done.
 
+use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 
-use tracing::info;
+use tracing::{debug, info};
 
 use super::ServerError;
 
@@ -42,21 +46,93 @@ impl SocketListener {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(ServerError::io("inspecting the socket path", e)),
         }
-        let listener =
-            UnixListener::bind(path).map_err(|e| ServerError::io("binding the socket", e))?;
-        let guard = SocketListener {
+        let listener = match bind_private(path, mode) {
+            Ok(l) => l,
+            Err(PrivateBind::InUse) => return Err(ServerError::SocketInUse(path.to_path_buf())),
+            Err(PrivateBind::Unavailable(why)) => {
+                // Plain bind + chmod: between the two the file carries the umask's mode.
+                debug!(why, "binding the socket in place");
+                let l = UnixListener::bind(path)
+                    .map_err(|e| ServerError::io("binding the socket", e))?;
+                let guard = SocketListener {
+                    listener: l,
+                    path: path.to_path_buf(),
+                };
+                fs::set_permissions(path, fs::Permissions::from_mode(mode))
+                    .map_err(|e| ServerError::io("setting the socket mode", e))?;
+                return Ok(guard);
+            }
+        };
+        Ok(SocketListener {
             listener,
             path: path.to_path_buf(),
-        };
-        fs::set_permissions(path, fs::Permissions::from_mode(mode))
-            .map_err(|e| ServerError::io("setting the socket mode", e))?;
-        Ok(guard)
+        })
     }
 
     /// The socket path.
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+enum PrivateBind {
+    /// Something appeared at the path meanwhile.
+    InUse,
+    /// The private-directory route is not possible here (path too long, no
+    /// RENAME_NOREPLACE, ...): fall back to bind + chmod.
+    Unavailable(&'static str),
+}
+
+static BIND_SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// Bind so that nobody can connect before `mode` applies: bind inside a fresh 0700
+/// directory next to `path`, chmod there, then move the socket into place with
+/// RENAME_NOREPLACE (a file that appeared at `path` meanwhile is never replaced).
+fn bind_private(path: &Path, mode: u32) -> Result<UnixListener, PrivateBind> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let dir = parent.join(format!(
+        ".umdev-bind.{}.{}",
+        std::process::id(),
+        BIND_SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|_| PrivateBind::Unavailable("cannot create a private directory"))?;
+    let tmp = dir.join("s");
+    let result = (|| {
+        let l = UnixListener::bind(&tmp)
+            .map_err(|_| PrivateBind::Unavailable("cannot bind in the private directory"))?;
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))
+            .map_err(|_| PrivateBind::Unavailable("cannot set the mode"))?;
+        let from = CString::new(tmp.as_os_str().as_bytes())
+            .map_err(|_| PrivateBind::Unavailable("NUL in the path"))?;
+        let to = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| PrivateBind::Unavailable("NUL in the path"))?;
+        // SAFETY: two valid NUL-terminated paths; renameat2 only reads them.
+        let r = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if r != 0 {
+            return Err(match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => PrivateBind::InUse,
+                _ => PrivateBind::Unavailable("renameat2(RENAME_NOREPLACE) failed"),
+            });
+        }
+        Ok(l)
+    })();
+    let _ = fs::remove_file(&tmp);
+    let _ = fs::remove_dir(&dir);
+    result
 }
 
 impl Drop for SocketListener {

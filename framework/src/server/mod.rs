@@ -33,6 +33,6 @@ pub mod remote_dma;
 mod running;
 pub mod socket_io;
 
-pub use config::ServerConfig;
+pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
 pub use running::{RunningServer, Server, ShutdownHandle};

@@ -227,7 +227,10 @@ fn accept_loop(
             }
             let _ = thread.join();
         }
-        if let Err(e) = stream.set_nonblocking(false) {
+        if let Err(e) = stream.set_nonblocking(false).and_then(|()| {
+            let t = config.negotiation_timeout;
+            stream.set_read_timeout((!t.is_zero()).then_some(t))
+        }) {
             warn!(error = %e, "cannot configure the client socket");
             continue;
         }
