@@ -451,24 +451,42 @@ impl DmaHandle {
     /// pinned by the call stays pinned and the accounting is as before (pages pinned
     /// writable may stay marked dirty; `host_addrs` may be partly written). See the module
     /// docs for what a host address allows.
+    #[inline]
     pub fn pin_pages(
         &self,
         iova_pfns: &[u64],
         prot: Prot,
         host_addrs: &mut [u64],
     ) -> Result<(), DmaError> {
-        if iova_pfns.len() == 1 {
-            // Nothing to coalesce: take exactly the per-page path (seeds/01: a one-page call
-            // must not get slower).
-            self.space.pin_impl::<false>(iova_pfns, prot, host_addrs)?;
-        } else {
-            self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)?;
+        if self.space.has_recorder.load(Relaxed) {
+            return self.pin_pages_recorded(iova_pfns, prot, host_addrs);
         }
+        // Inlined into the caller, so without a recorder this is one load and a tail call:
+        // a one-page call takes exactly the per-page path (seeds/01: it must not get slower;
+        // measured with callgrind, see docs/benchmarks.md).
+        if iova_pfns.len() == 1 {
+            self.space.pin_impl::<false>(iova_pfns, prot, host_addrs)
+        } else {
+            self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)
+        }
+    }
+
+    /// `pin_pages` while a pin recorder is installed (`umdev run --record-pins`).
+    #[cold]
+    #[inline(never)]
+    fn pin_pages_recorded(
+        &self,
+        iova_pfns: &[u64],
+        prot: Prot,
+        host_addrs: &mut [u64],
+    ) -> Result<(), DmaError> {
+        self.space.pin_impl::<true>(iova_pfns, prot, host_addrs)?;
         self.space.record(iova_pfns, prot);
         Ok(())
     }
 
     /// Unpin pages pinned by `pin_pages`; all-or-nothing (an unpinned page is an error).
+    #[inline]
     pub fn unpin_pages(&self, iova_pfns: &[u64]) -> Result<(), DmaError> {
         if iova_pfns.len() == 1 {
             self.space.unpin_impl::<false>(iova_pfns)
