@@ -18,6 +18,17 @@ fn umdev(args: &[&str]) -> Output {
         .expect("run umdev")
 }
 
+/// Run umdev and require success, showing its stderr otherwise.
+fn umdev_ok(args: &[&str]) -> Output {
+    let out = umdev(args);
+    assert!(
+        out.status.success(),
+        "umdev {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path).expect("JSON file written");
     serde_json::from_str(&text).expect("well-formed JSON")
@@ -50,7 +61,7 @@ fn test_bench_pin_quick_json_has_every_size_pattern_policy() {
     let svg = dir.path().join("pin.svg");
     // The default sizes (1..4096) with --quick; 3 samples and the 4 KiB backing only keep
     // the test at a few seconds even in a debug build (`--quick` alone is the < 60 s run).
-    let out = umdev(&[
+    let out = umdev_ok(&[
         "bench",
         "pin",
         "--quick",
@@ -63,11 +74,6 @@ fn test_bench_pin_quick_json_has_every_size_pattern_policy() {
         "--plot",
         svg.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "umdev bench pin failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("coalesced") && stdout.contains("per-page"),
@@ -120,7 +126,7 @@ fn test_bench_pin_trace_replay_reports_trace_cells() {
     )
     .unwrap();
     let json = dir.path().join("t.json");
-    let out = umdev(&[
+    umdev_ok(&[
         "bench",
         "pin",
         "--quick",
@@ -139,11 +145,6 @@ fn test_bench_pin_trace_replay_reports_trace_cells() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v = read_json(&json);
     let cells = v["cells"].as_array().unwrap();
     // Two buckets (size 1: one array; size 8: two arrays) × two policies.
@@ -201,7 +202,7 @@ fn assert_pair_rows(v: &Value, groups: usize, per_group: usize) {
 fn test_bench_dma_quick_json_has_every_row() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("dma.json");
-    let out = umdev(&[
+    umdev_ok(&[
         "bench",
         "dma",
         "--quick",
@@ -213,11 +214,6 @@ fn test_bench_dma_quick_json_has_every_row() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v = read_json(&json);
     assert_eq!(v["bench"], "dma");
     // 5 comparisons (read, write, lookup, fd-less read, fd-less write) × 2 sizes.
@@ -228,7 +224,7 @@ fn test_bench_dma_quick_json_has_every_row() {
 fn test_bench_wire_quick_json_has_every_row() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("wire.json");
-    let out = umdev(&[
+    umdev_ok(&[
         "bench",
         "wire",
         "--quick",
@@ -240,11 +236,6 @@ fn test_bench_wire_quick_json_has_every_row() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v = read_json(&json);
     assert_eq!(v["bench"], "wire");
     // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
@@ -256,7 +247,7 @@ fn test_bench_record_both_devices_write_replayable_traces() {
     let dir = tempfile::tempdir().unwrap();
     for (device, min_arrays) in [("gpu", 4), ("ccw", 4)] {
         let trace = dir.path().join(format!("{device}.jsonl"));
-        let out = umdev(&[
+        umdev_ok(&[
             "bench",
             "record",
             device,
@@ -265,11 +256,6 @@ fn test_bench_record_both_devices_write_replayable_traces() {
             "--out",
             trace.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         let text = std::fs::read_to_string(&trace).unwrap();
         let lines: Vec<Value> = text
             .lines()
@@ -284,7 +270,7 @@ fn test_bench_record_both_devices_write_replayable_traces() {
             .iter()
             .all(|l| l["pfns"].as_array().is_some_and(|a| !a.is_empty())));
         let json = dir.path().join(format!("{device}.json"));
-        let out = umdev(&[
+        umdev_ok(&[
             "bench",
             "pin",
             "--quick",
@@ -301,11 +287,6 @@ fn test_bench_record_both_devices_write_replayable_traces() {
             "--json",
             json.to_str().unwrap(),
         ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         let v = read_json(&json);
         let cells = v["cells"].as_array().unwrap();
         assert!(!cells.is_empty());
@@ -319,7 +300,7 @@ fn test_bench_record_both_devices_write_replayable_traces() {
 fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("aa.json");
-    let out = umdev(&[
+    umdev_ok(&[
         "bench",
         "pin",
         "--quick",
@@ -338,11 +319,6 @@ fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
         "--json",
         json.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let v = read_json(&json);
     assert_eq!(v["config"]["self_check"], true);
     let cell = &v["cells"][0];
