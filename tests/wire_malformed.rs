@@ -3,6 +3,8 @@
 //! usable.
 
 mod common;
+#[path = "common/hostile.rs"]
+mod hostile;
 
 use std::os::fd::{AsRawFd, RawFd};
 
@@ -40,37 +42,46 @@ fn efd() -> EventFd {
 const EINVAL: u32 = libc::EINVAL as u32;
 
 #[test]
-fn test_malformed_version_variants_rejected() {
+fn test_malformed_version_variants_rejected_and_connection_closed() {
     let ts = TestServer::start();
-    let mut c = RawClient::connect(&ts.path);
-    // A command before VERSION.
-    assert_eq!(
-        c.expect_error(Command::DeviceReset as u16, &[], &[]),
-        EINVAL
-    );
-    // Short, bad JSON, missing NUL, major 1, fds attached.
-    assert_eq!(
-        c.expect_error(Command::Version as u16, &[0, 0], &[]),
-        EINVAL
-    );
-    let mut bad = vec![0, 0, 0, 0];
-    bad.extend_from_slice(b"{oops\0");
-    assert_eq!(c.expect_error(Command::Version as u16, &bad, &[]), EINVAL);
-    assert_eq!(
-        c.expect_error(Command::Version as u16, b"\0\0\0\0{}", &[]),
-        EINVAL
-    );
+    // Each refused negotiation gets its errno, then the server closes the connection (it
+    // would otherwise hold the single client slot until the negotiation timeout).
     let major1 = [1u8, 0, 0, 0];
-    assert_eq!(
-        c.expect_error(Command::Version as u16, &major1, &[]),
-        libc::ENOTSUP as u32
-    );
+    let mut bad_json = vec![0, 0, 0, 0];
+    bad_json.extend_from_slice(b"{oops\0");
     let e = efd();
-    assert_eq!(
-        c.expect_error(Command::Version as u16, &[0, 0, 0, 0], &[e.as_raw_fd()]),
-        EINVAL
-    );
-    // Now a good one, then a second one.
+    let cases: [(&str, Command, &[u8], &[RawFd], u32); 7] = [
+        ("a command before VERSION", Command::DeviceReset, &[], &[], EINVAL),
+        ("short", Command::Version, &[0, 0], &[], EINVAL),
+        ("bad JSON", Command::Version, &bad_json, &[], EINVAL),
+        ("missing NUL", Command::Version, b"\0\0\0\0{}", &[], EINVAL),
+        ("major 1", Command::Version, &major1, &[], libc::ENOTSUP as u32),
+        (
+            "fds attached",
+            Command::Version,
+            &[0, 0, 0, 0],
+            &[e.as_raw_fd()],
+            EINVAL,
+        ),
+        ("no capabilities", Command::Version, &[0, 0, 0, 0], &[], 0),
+    ];
+    for (what, cmd, payload, fds, errno) in cases {
+        let mut c = RawClient::connect(&ts.path);
+        if errno == 0 {
+            // The baseline: a minimal VERSION is accepted and the connection stays up.
+            let r = c.call(cmd as u16, 0, payload, fds);
+            assert!(!r.header.is_error(), "{what}: errno {}", r.header.error);
+            usable(&mut c);
+            continue;
+        }
+        assert_eq!(c.expect_error(cmd as u16, payload, fds), errno, "{what}");
+        assert!(
+            hostile::closed_by_peer(&c.stream),
+            "{what}: connection kept open after a refused negotiation"
+        );
+    }
+    // A good VERSION, then a second one: refused, and the negotiated session goes on.
+    let mut c = RawClient::connect(&ts.path);
     let r = c.call(
         Command::Version as u16,
         0,

@@ -147,17 +147,20 @@ impl Connection {
             self.chan.close();
             return;
         };
+        // Exactly one line per message at debug level (errors are logged at warn instead).
         match result {
             Ok(Some(mut reply)) => {
                 if hdr.no_reply() {
+                    debug!("done (no reply requested)");
                     return;
                 }
+                debug!(reply_size = reply.buf.len() - HEADER_SIZE, "done");
                 let fds: Vec<RawFd> = reply.fds.iter().map(|f| f.as_raw_fd()).collect();
                 if let Err(e) = self.chan.send(reply.finish(&hdr), &fds) {
                     debug!(error = %e, "failed to send a reply");
                 }
             }
-            Ok(None) => {}
+            Ok(None) => debug!("done"),
             Err(e) => {
                 let errno = e.errno();
                 span.record("errno", errno);
@@ -170,6 +173,12 @@ impl Connection {
                 } else {
                     warn!("{why}; answering errno {errno}");
                     self.chan.send_error(&hdr, errno);
+                }
+                if !self.negotiated {
+                    // A refused VERSION, or a command before VERSION: nothing useful can
+                    // follow on this connection, and it holds the single client slot.
+                    warn!("negotiation failed; closing the connection");
+                    self.chan.close();
                 }
             }
         }
