@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand, ValueEnum};
     name = "umdev",
     version,
     about,
-    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nRUST_LOG=debug shows one line per vfio-user message."
+    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -45,6 +45,8 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: a log file or a pipe gets plain text.
+        .with_ansi(log_colours())
         .init();
     let cli = Cli::parse();
     let result: CliResult = match cli.command {
@@ -61,6 +63,12 @@ fn main() {
         }
         std::process::exit(1);
     }
+}
+
+/// Colour log lines when stderr is a terminal and `NO_COLOR` is not set (no-color.org).
+fn log_colours() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// Errors of the CLI: a message and an optional cause.

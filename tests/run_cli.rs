@@ -18,14 +18,17 @@ fn wait_for(path: &std::path::Path) {
     }
 }
 
-#[test]
-fn test_run_gpu_serves_until_sigint_and_logs_connects() {
+/// Start `umdev run gpu` with `RUST_LOG=rust_log` and stderr on a pipe, read the GPU's ID
+/// register through the embedded VMM, stop it with SIGINT; returns whether it exited
+/// successfully and what it logged.
+fn serve_read_id_and_interrupt(rust_log: &str) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("gpu.sock");
     let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
         .args(["run", "gpu", "--socket"])
         .arg(&sock)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", rust_log)
+        .env_remove("NO_COLOR")
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -40,15 +43,40 @@ fn test_run_gpu_serves_until_sigint_and_logs_connects() {
     // SAFETY: sending SIGINT to our own child process.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let out = child.wait_with_output().unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert!(
+    assert!(!sock.exists(), "socket removed on shutdown");
+    (
         out.status.success(),
-        "umdev run exited with {:?}: {log}",
-        out.status
-    );
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn test_run_gpu_serves_until_sigint_and_logs_connects() {
+    let (ok, log) = serve_read_id_and_interrupt("info");
+    assert!(ok, "umdev run failed: {log}");
     assert!(log.contains("client connected"), "{log}");
     assert!(log.contains("client disconnected"), "{log}");
-    assert!(!sock.exists(), "socket removed on shutdown");
+}
+
+#[test]
+fn test_run_log_to_pipe_has_no_colour_codes_and_debug_lists_region_reads() {
+    let (ok, log) = serve_read_id_and_interrupt("debug");
+    assert!(ok, "umdev run failed: {log}");
+    assert!(
+        !log.contains('\x1b'),
+        "log written to a pipe carries ANSI escape codes: {log:?}"
+    );
+    // --help promises one line per vfio-user message at debug level, REGION_READ included.
+    let reads = log
+        .lines()
+        .filter(|l| l.contains("cmd=\"REGION_READ\"") && l.contains("done"))
+        .count();
+    assert!(reads >= 1, "no debug line for a REGION_READ: {log}");
+    let versions = log
+        .lines()
+        .filter(|l| l.contains("cmd=\"VERSION\"") && l.contains("done"))
+        .count();
+    assert_eq!(versions, 1, "one line for the one VERSION message: {log}");
 }
 
 #[test]
