@@ -186,7 +186,11 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     }
     write_surface(&mut vm.ram, &pages, STRIDE, SW, SH);
     assert_eq!(vm.run(&[blit()]), (ERR_NONE, 0));
-    assert_eq!(vm.dma.stats().pinned_pages, 8, "the BLIT pinned its entries");
+    assert_eq!(
+        vm.dma.stats().pinned_pages,
+        8,
+        "the BLIT pinned its entries"
+    );
     let old = surface_rows(&mut vm.ram, &pages);
     assert_eq!(&old[1][..4], &pattern(0, 1).to_le_bytes());
 
@@ -201,12 +205,19 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     .encode();
     let r = vm.client().call(Cmd::DmaUnmap as u16, 0, &p, &[]);
     assert!(!r.header.is_error(), "sweep: errno {}", r.header.error);
-    assert_eq!(r.payload[16..], (2 * SURF_MAP).to_ne_bytes(), "bytes removed");
+    assert_eq!(
+        r.payload[16..],
+        (2 * SURF_MAP).to_ne_bytes(),
+        "bytes removed"
+    );
     let st = vm.dma.stats();
     assert_eq!(st.maps, 1, "only the ring map is left");
     assert_eq!(st.pinned_pages, 0, "the GPU's notifier kept pins: {st:?}");
     assert_eq!(st.locked_pages, 0, "{st:?}");
-    assert_eq!(st.leaked_pins_released, 0, "pins forced, not dropped: {st:?}");
+    assert_eq!(
+        st.leaked_pins_released, 0,
+        "pins forced, not dropped: {st:?}"
+    );
 
     // The entries still point at the unmapped pages: both directions fault.
     assert_eq!(vm.run(&[readback()]), (ERR_GTT_FAULT, 1));

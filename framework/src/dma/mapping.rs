@@ -80,7 +80,7 @@ impl DmaSpace {
         if size == 0 {
             return Err(DmaError::InvalidArgument("DMA unmap size is 0"));
         }
-        if iova % PAGE_SIZE != 0 || size % PAGE_SIZE != 0 {
+        if !iova.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
             return Err(DmaError::InvalidArgument(
                 "DMA unmap iova and size must be 4 KiB aligned",
             ));
