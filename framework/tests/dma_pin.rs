@@ -262,12 +262,12 @@ fn test_map_fd_offset_is_honoured() {
 }
 
 #[test]
-fn test_unmap_not_exact_fails_enoent() {
+fn test_unmap_splitting_a_mapping_fails_einval() {
     let s = space(PinPolicy::Translate, 0);
     map_pages(&s, 0x10, 4, Prot::RW);
     let e = s.unmap(0x10000, 0x1000, &mut no_notify()).unwrap_err();
-    assert!(matches!(e, DmaError::NoExactMatch { .. }));
-    assert_eq!(e.errno(), libc::ENOENT);
+    assert!(matches!(e, DmaError::SplitsMapping { .. }));
+    assert_eq!(e.errno(), libc::EINVAL);
     assert_eq!(s.stats().maps, 1);
 }
 

@@ -5,7 +5,11 @@
 //!   - 0x200 DMA_IOVA (u64), 0x208 DMA_LEN (u32), 0x20c DMA_OP (u32, 1 = read guest memory
 //!     into BAR0 at 0x800, 2 = write BAR0 0x800.. to guest memory), run synchronously on
 //!     the connection thread; 0x210 DMA_STATUS (0 ok, else errno);
-//!   - 0x218 PANIC: any write makes the device panic (a device bug).
+//!   - 0x218 PANIC: any write makes the device panic (a device bug);
+//!   - 0x220 PIN_PFN (u64), 0x228 PIN_OP (u32, 1 = pin page PIN_PFN read-write; status in
+//!     DMA_STATUS). The device keeps its pins until its unmap notifier runs for a range
+//!     holding them: it then unpins them (one array call) and records them in
+//!     `notifier_unpins`, as a device must before the unmap completes.
 //! - BAR2 (region 2): 64 KiB memfd; [0x4000, 0x10000) is a sparse mmap area, the first
 //!   16 KiB are trapped (read/written through the memfd by the device).
 //! - CONFIG (region 7): 256 bytes.
@@ -29,6 +33,8 @@ pub const REG_DMA_LEN: u64 = 0x208;
 pub const REG_DMA_OP: u64 = 0x20c;
 pub const REG_DMA_STATUS: u64 = 0x210;
 pub const REG_PANIC: u64 = 0x218;
+pub const REG_PIN_PFN: u64 = 0x220;
+pub const REG_PIN_OP: u64 = 0x228;
 pub const DMA_SCRATCH: u64 = 0x800;
 
 /// What the test can observe and control.
@@ -43,6 +49,10 @@ pub struct DeviceState {
     pub writes: Vec<(u32, u64, Vec<u8>)>,
     pub dma: Option<DmaHandle>,
     pub bar2: Option<Arc<std::fs::File>>,
+    /// Pages the device holds pinned (PIN_OP).
+    pub pins: Vec<u64>,
+    /// Pages the unmap notifier unpinned, in order.
+    pub notifier_unpins: Vec<u64>,
 }
 
 impl DeviceState {
@@ -108,6 +118,23 @@ impl TestDevice {
         };
         let status = match res {
             Ok(()) => 0u32,
+            Err(e) => e.errno() as u32,
+        };
+        st.regs[0x210..0x214].copy_from_slice(&status.to_le_bytes());
+    }
+
+    fn run_pin(st: &mut DeviceState) {
+        let o = REG_PIN_PFN as usize;
+        let pfn = u64::from_le_bytes(st.regs[o..o + 8].try_into().unwrap());
+        let Some(dma) = st.dma.clone() else {
+            return;
+        };
+        let mut host = [0u64; 1];
+        let status = match dma.pin_pages(&[pfn], umdev::dma::Prot::RW, &mut host) {
+            Ok(()) => {
+                st.pins.push(pfn);
+                0u32
+            }
             Err(e) => e.errno() as u32,
         };
         st.regs[0x210..0x214].copy_from_slice(&status.to_le_bytes());
@@ -203,6 +230,9 @@ impl Device for TestDevice {
                 if offset == REG_DMA_OP {
                     Self::run_dma(&mut st);
                 }
+                if offset == REG_PIN_OP && st.reg32(REG_PIN_OP) == 1 {
+                    Self::run_pin(&mut st);
+                }
                 Ok(())
             }
             2 => st
@@ -260,7 +290,17 @@ impl Device for TestDevice {
     }
 
     fn dma_unmap(&mut self, iova: u64, size: u64) {
-        self.state.lock().unwrap().unmaps.push((iova, size));
+        let mut st = self.state.lock().unwrap();
+        st.unmaps.push((iova, size));
+        let inside = |p: &u64| (p << 12).wrapping_sub(iova) < size;
+        let drop: Vec<u64> = st.pins.iter().copied().filter(inside).collect();
+        if !drop.is_empty() {
+            st.pins.retain(|p| !inside(p));
+            if let Some(dma) = st.dma.clone() {
+                dma.unpin_pages(&drop).unwrap();
+            }
+            st.notifier_unpins.extend(drop);
+        }
     }
 
     fn disconnected(&mut self) {

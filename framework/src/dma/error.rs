@@ -41,15 +41,21 @@ pub enum DmaError {
         /// Its size.
         size: u64,
     },
-    /// DMA_UNMAP of a range that is not exactly one earlier mapping (ENOENT: umdev, like
-    /// the spec, only removes whole mappings and treats a non-matching range as "no such
-    /// mapping").
-    #[error("no DMA mapping is exactly [{iova:#x}, +{size:#x})")]
-    NoExactMatch {
+    /// DMA_UNMAP of a range whose start or end falls strictly inside a mapping (EINVAL, as
+    /// type1v2 answers it). Nothing was unmapped.
+    #[error(
+        "DMA unmap of [{iova:#x}, +{size:#x}) would split the mapping [{map_iova:#x}, \
+         +{map_size:#x}); nothing was unmapped"
+    )]
+    SplitsMapping {
         /// Start of the requested range.
         iova: u64,
         /// Its size.
         size: u64,
+        /// Start of the mapping the range splits.
+        map_iova: u64,
+        /// Size of that mapping.
+        map_size: u64,
     },
     /// Address or size arithmetic would overflow (EINVAL).
     #[error("{what} overflows the address space")]
@@ -129,7 +135,7 @@ impl DmaError {
             DmaError::Permission { .. } => libc::EPERM,
             DmaError::FdLess { .. } => libc::EFAULT,
             DmaError::Overlap { .. } => libc::EEXIST,
-            DmaError::NoExactMatch { .. } => libc::ENOENT,
+            DmaError::SplitsMapping { .. } => libc::EINVAL,
             DmaError::Overflow { .. } => libc::EINVAL,
             DmaError::LimitExceeded { .. } => libc::ENOMEM,
             DmaError::NotPinned { .. } => libc::EINVAL,
@@ -162,10 +168,16 @@ mod tests {
     #[test]
     fn test_errno_each_variant_maps_to_expected_errno() {
         assert_eq!(DmaError::Overlap { iova: 0, size: 1 }.errno(), libc::EEXIST);
-        assert_eq!(
-            DmaError::NoExactMatch { iova: 0, size: 1 }.errno(),
-            libc::ENOENT
-        );
+        let split = DmaError::SplitsMapping {
+            iova: 0x1000,
+            size: 0x1000,
+            map_iova: 0,
+            map_size: 0x4000,
+        };
+        assert_eq!(split.errno(), libc::EINVAL);
+        let msg = split.to_string();
+        assert!(msg.contains("[0x0, +0x4000)"), "{msg}");
+        assert!(msg.contains("nothing was unmapped"), "{msg}");
         assert_eq!(
             DmaError::LimitExceeded {
                 locked: 0,

@@ -1,5 +1,14 @@
-//! DMA_MAP and DMA_UNMAP: validating and mmapping a mapping, and the unmap protocol
-//! (close → notify → verify and force-release → unpublish → drain in-flight → release memory).
+//! DMA_MAP and DMA_UNMAP: validating and mmapping a mapping, choosing which mappings an unmap
+//! removes, and the unmap protocol (close → notify → verify and force-release → unpublish →
+//! drain in-flight → release memory).
+//!
+//! Which mappings go (type1v2, see the `dma` module docs): for a range `[first, last]`
+//! (inclusive, so it may end at 2^64), first look for a mapping the range splits (the one
+//! containing `first` if it starts before it, the one containing `last` if it ends after it);
+//! if there is one, fail with nothing changed. Otherwise the mappings removed are exactly
+//! those starting in `[first, last]`: consecutive in the sorted table, so they are found with
+//! one lookup and unpublished with one table rebuild, whatever their number. All of this runs
+//! under the map lock, so the table cannot change between the check and the removal.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -60,21 +69,40 @@ impl DmaSpace {
         Ok(())
     }
 
-    /// DMA_UNMAP of exactly one mapping.
+    /// DMA_UNMAP of `[iova, iova + size)`: every mapping the range covers, none if it splits
+    /// one (see the module docs).
     pub(crate) fn unmap_impl(
         &self,
         iova: u64,
         size: u64,
         notify: &mut dyn FnMut(u64, u64),
     ) -> Result<UnmapReport, DmaError> {
+        if size == 0 {
+            return Err(DmaError::InvalidArgument("DMA unmap size is 0"));
+        }
+        if !iova.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(DmaError::InvalidArgument(
+                "DMA unmap iova and size must be 4 KiB aligned",
+            ));
+        }
+        // Inclusive end: a range ending exactly at 2^64 is valid (type1 checks
+        // `iova + size - 1` for wrap-around).
+        let last = iova.checked_add(size - 1).ok_or(DmaError::Overflow {
+            what: "DMA unmap iova + size",
+        })?;
         let _w = self.map_lock();
         let table = self.table.load_full();
-        let region = table
-            .find_exact(iova, size)
-            .cloned()
-            .ok_or(DmaError::NoExactMatch { iova, size })?;
+        if let Some(r) = table.split_by(iova, last) {
+            return Err(DmaError::SplitsMapping {
+                iova,
+                size,
+                map_iova: r.iova,
+                map_size: r.size,
+            });
+        }
+        let regions: Vec<Arc<Region>> = table.starting_in(iova, last).cloned().collect();
         drop(table);
-        Ok(self.remove_regions(&[region], notify))
+        Ok(self.remove_regions(&regions, notify))
     }
 
     /// Remove every mapping.
@@ -87,7 +115,9 @@ impl DmaSpace {
         report
     }
 
-    /// The unmap protocol for `regions` (all in the table); caller holds the map lock.
+    /// The unmap protocol for `regions`: consecutive regions of the current table, in IOVA
+    /// order, with no other region of the table starting between the first and the last
+    /// (one mapping, a covered span, or all). The caller holds the map lock.
     fn remove_regions(
         &self,
         regions: &[Arc<Region>],
@@ -131,10 +161,10 @@ impl DmaSpace {
         let new = if regions.len() == table.len() {
             MapTable::default()
         } else {
-            regions
-                .iter()
-                .fold((*table).clone(), |t, r| t.without(r.iova))
+            // One rebuild for the whole span (not one table copy per region).
+            table.without_span(regions[0].iova, regions[regions.len() - 1].iova)
         };
+        debug_assert_eq!(new.len() + regions.len(), table.len());
         self.table.store(Arc::new(new));
         // 5. Wait for in-flight accesses, then release the memory.
         for (r, &left) in regions.iter().zip(&leftovers) {
@@ -167,6 +197,8 @@ impl DmaSpace {
             }
             self.counters.maps.fetch_sub(1, Relaxed);
             report.maps_removed += 1;
+            // Disjoint mappings below 2^64: the sum cannot overflow.
+            report.bytes_removed += r.size;
             report.leftover_pins += left;
             tracing::debug!(iova = r.iova, size = r.size, leftover = left, "DMA unmap");
         }

@@ -12,6 +12,18 @@
 //! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
 //! `sigbus` (surviving a client that shrinks a mapped file).
 //!
+//! # Which mappings an unmap removes
+//! [`DmaSpace::unmap`] follows the kernel's type1v2 (`vfio_dma_do_unmap` in
+//! `drivers/vfio/vfio_iommu_type1.c`), because QEMU's vIOMMU replay assumes it and sends
+//! ranges that are not one mapping (power-of-two sweeps, whole sections, ranges ending at
+//! 2^64): every mapping the range fully covers goes; a range covering none succeeds and
+//! removes nothing; a range that would split a mapping (its start or end strictly inside
+//! one) is an error and removes nothing. Answering a sweep with an error instead would leave
+//! stale mappings behind, into which the device would keep doing DMA after the guest reused
+//! the memory. The vfio-user spec's "must match exactly a previous mapping" is the special
+//! case of one mapping covered exactly. A mapping never reaches 2^64 (`DmaSpace::map`
+//! refuses one), so a range ending there is only ever an unmap.
+//!
 //! # Concurrency
 //! Lookups (pins, `dma_rw`) read an `ArcSwap` snapshot of the map table: no lock. Pin and
 //! unpin calls serialize on one pin lock per space (as type1 serializes on `iommu->lock`),
@@ -181,6 +193,8 @@ pub type PinRecorder = Arc<dyn Fn(&[u64], Prot) + Send + Sync>;
 pub struct UnmapReport {
     /// Mappings removed.
     pub maps_removed: u64,
+    /// Bytes of the mappings removed (what type1 writes back into the unmap's size field).
+    pub bytes_removed: u64,
     /// Pins the device left behind, force-released.
     pub leftover_pins: u64,
 }
@@ -281,9 +295,17 @@ impl DmaSpace {
         self.map_impl(m)
     }
 
-    /// DMA_UNMAP of exactly an earlier mapping. Calls `notify(iova, size)` (the device's
-    /// unmap notifier) before removing, force-releases leftover pins, waits for in-flight
-    /// accesses. After it returns nothing touches the range.
+    /// DMA_UNMAP of the range `[iova, iova + size)` with the kernel's type1v2 semantics
+    /// (what QEMU assumes; see the module docs): every mapping the range fully covers is
+    /// removed; a range covering none succeeds with nothing removed; a range whose start or
+    /// end falls strictly inside a mapping fails with [`DmaError::SplitsMapping`] (EINVAL)
+    /// and removes nothing. The range may end exactly at 2^64 (`iova + size` = 2^64);
+    /// `size` must be non-zero and `iova`/`size` 4 KiB aligned (EINVAL otherwise).
+    ///
+    /// For each mapping removed it calls `notify(iova, size)` (the device's unmap notifier,
+    /// with that mapping's own range) before removing, force-releases leftover pins, and
+    /// waits for in-flight accesses. After it returns nothing touches the removed mappings.
+    /// The report says how many mappings and bytes went.
     ///
     /// `notify` runs on the calling thread with the map lock held: it may unpin (from this
     /// or other threads) but must not call `map`/`unmap`/`dirty_*` on this space.

@@ -36,7 +36,9 @@ pub struct DmaMapRequest {
 impl DmaMapRequest {
     /// Decode and validate: payload and argsz exactly 32 bytes, flags only READ|WRITE and
     /// at least one, size non-zero, iova and size aligned to `pgsize`, no wrap-around of
-    /// iova+size or offset+size, at most one fd.
+    /// iova+size or offset+size, at most one fd. A map may not end exactly at 2^64 either
+    /// (iova + size must fit in a u64: the DMA layer keeps a mapping's exclusive end in a
+    /// u64), unlike an unmap range.
     pub fn decode(payload: &[u8], nfds: usize, pgsize: u64) -> Result<Self, ProtocolError> {
         if payload.len() != DMA_MAP_SIZE {
             return Err(ProtocolError::BadPayloadSize {
@@ -71,6 +73,12 @@ impl DmaMapRequest {
             });
         }
         check_range("DMA_MAP", iova, size, pgsize)?;
+        if iova.checked_add(size).is_none() {
+            return Err(ProtocolError::invalid(
+                "DMA_MAP",
+                format!("iova {iova:#x} + size {size:#x} reaches 2^64"),
+            ));
+        }
         if nfds == 1 {
             if offset.checked_add(size).is_none() {
                 return Err(ProtocolError::invalid(
@@ -105,11 +113,13 @@ impl DmaMapRequest {
     }
 }
 
+/// Non-zero size, the last byte `iova + size - 1` does not wrap (so a range may end exactly
+/// at 2^64, as type1 allows), iova and size aligned to `pgsize`.
 fn check_range(what: &'static str, iova: u64, size: u64, pgsize: u64) -> Result<(), ProtocolError> {
     if size == 0 {
         return Err(ProtocolError::invalid(what, "size is 0"));
     }
-    if iova.checked_add(size).is_none() {
+    if iova.checked_add(size - 1).is_none() {
         return Err(ProtocolError::invalid(
             what,
             format!("iova {iova:#x} + size {size:#x} wraps"),
@@ -131,16 +141,18 @@ pub struct DmaUnmapRequest {
     pub argsz: u32,
     /// FLAG_ALL: remove every mapping (iova and size are 0).
     pub all: bool,
-    /// IOVA of the mapping.
+    /// Start of the range.
     pub iova: u64,
-    /// Size of the mapping.
+    /// Size of the range (`iova + size` may be exactly 2^64).
     pub size: u64,
 }
 
 impl DmaUnmapRequest {
     /// Decode and validate: payload 24 bytes, argsz ≥ 24, no fds; flags 0 with a non-zero,
-    /// aligned, non-wrapping range, or exactly FLAG_ALL with iova and size 0; other legacy
-    /// bits ENOTSUP, unknown bits EINVAL.
+    /// aligned range whose last byte does not wrap (it may end exactly at 2^64), or exactly
+    /// FLAG_ALL with iova and size 0; other legacy bits ENOTSUP, unknown bits EINVAL. Which
+    /// mappings the range removes is the DMA layer's business (type1v2: every mapping it
+    /// covers; see `DmaSpace::unmap`).
     pub fn decode(payload: &[u8], nfds: usize, pgsize: u64) -> Result<Self, ProtocolError> {
         if payload.len() != DMA_UNMAP_SIZE {
             return Err(ProtocolError::BadPayloadSize {
@@ -207,13 +219,25 @@ impl DmaUnmapRequest {
         self.all
     }
 
-    /// The reply payload: the request's entry, echoed.
+    /// The request payload (for test clients): argsz 24, the flags, iova and size.
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_with_size(self.size)
+    }
+
+    /// The reply payload: the request's entry with the size field set to the bytes actually
+    /// unmapped, as the kernel's type1 writes it back (0 when the range covered no mapping;
+    /// the total of every mapping for FLAG_ALL). For an unmap of exactly one mapping this is
+    /// the spec's "original DMA entry". QEMU's client reads only the errno.
+    pub fn encode_reply(&self, bytes_removed: u64) -> Vec<u8> {
+        self.encode_with_size(bytes_removed)
+    }
+
+    fn encode_with_size(&self, size: u64) -> Vec<u8> {
         let mut v = Vec::with_capacity(DMA_UNMAP_SIZE);
         v.put_u32(DMA_UNMAP_SIZE as u32);
         v.put_u32(if self.is_all() { DMA_UNMAP_FLAG_ALL } else { 0 });
         v.put_u64(self.iova);
-        v.put_u64(self.size);
+        v.put_u64(size);
         v
     }
 }
@@ -253,12 +277,54 @@ mod tests {
     }
 
     fn unmap(flags: u32) -> Vec<u8> {
+        unmap_range(flags, 0x1000, 0x1000)
+    }
+
+    fn unmap_range(flags: u32, iova: u64, size: u64) -> Vec<u8> {
         let mut v = Vec::new();
         v.put_u32(24);
         v.put_u32(flags);
-        v.put_u64(0x1000);
-        v.put_u64(0x1000);
+        v.put_u64(iova);
+        v.put_u64(size);
         v
+    }
+
+    #[test]
+    fn test_dma_unmap_range_ending_at_2_pow_64_accepted_map_and_past_it_einval() {
+        // QEMU's vIOMMU replay sends ranges ending exactly at 2^64.
+        let u = DmaUnmapRequest::decode(&unmap_range(0, 1 << 63, 1 << 63), 0, 4096).unwrap();
+        assert_eq!((u.iova, u.size), (1 << 63, 1 << 63));
+        let top = u64::MAX - 0xfff;
+        let u = DmaUnmapRequest::decode(&unmap_range(0, top, 0x1000), 0, 4096).unwrap();
+        assert_eq!((u.iova, u.size), (top, 0x1000));
+        let u = DmaUnmapRequest::decode(&unmap_range(0, 0, u64::MAX - 0xfff), 0, 4096).unwrap();
+        assert_eq!(u.size, u64::MAX - 0xfff);
+        // One page past 2^64 wraps; size 0 stays invalid.
+        for (iova, size) in [(top, 0x2000), (1 << 63, (1 << 63) + 0x1000), (0x1000, 0)] {
+            assert_eq!(
+                DmaUnmapRequest::decode(&unmap_range(0, iova, size), 0, 4096)
+                    .unwrap_err()
+                    .errno(),
+                libc::EINVAL,
+                "{iova:#x}+{size:#x}"
+            );
+        }
+        // A map cannot end at 2^64 (the DMA layer cannot represent it).
+        assert_eq!(
+            DmaMapRequest::decode(&map(3, top, 0x1000), 0, 4096)
+                .unwrap_err()
+                .errno(),
+            libc::EINVAL
+        );
+        assert!(DmaMapRequest::decode(&map(3, top - 0x1000, 0x1000), 0, 4096).is_ok());
+    }
+
+    #[test]
+    fn test_dma_unmap_reply_carries_bytes_removed() {
+        let u = DmaUnmapRequest::decode(&unmap_range(0, 0x10000, 0x40000), 0, 4096).unwrap();
+        assert_eq!(u.encode(), unmap_range(0, 0x10000, 0x40000));
+        assert_eq!(u.encode_reply(0x3000), unmap_range(0, 0x10000, 0x3000));
+        assert_eq!(u.encode_reply(0), unmap_range(0, 0x10000, 0));
     }
 
     #[test]

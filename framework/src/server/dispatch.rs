@@ -108,30 +108,32 @@ impl Connection {
         }
     }
 
+    /// DMA_UNMAP: the DMA layer removes every mapping the range covers (type1v2, see
+    /// `DmaSpace::unmap`); the budget shrinks by the bytes removed and the reply's size field
+    /// says how many that was.
     pub(super) fn dma_unmap(&mut self, u: DmaUnmapRequest) -> Result<Reply, ServerError> {
         let mut dev = lock_device(&self.device);
-        if u.is_all() {
-            let report = self
-                .dma
-                .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size));
-            debug!(maps = report.maps_removed, "DMA_UNMAP all");
-            if report.leftover_pins > 0 {
-                warn!(
-                    leftover_pins = report.leftover_pins,
-                    "DMA_UNMAP all: device left pins behind; force-released"
-                );
-            }
-            return Ok(Reply::from_payload(&u.encode()));
-        }
-        let report = self
-            .dma
-            .unmap(u.iova, u.size, &mut |iova, size| dev.dma_unmap(iova, size))
-            .map_err(|source| ServerError::DmaRejected {
-                iova: u.iova,
-                size: u.size,
-                source,
-            })?;
-        self.mapped_bytes = self.mapped_bytes.saturating_sub(u.size);
+        let report = if u.is_all() {
+            self.dma
+                .unmap_all(&mut |iova, size| dev.dma_unmap(iova, size))
+        } else {
+            self.dma
+                .unmap(u.iova, u.size, &mut |iova, size| dev.dma_unmap(iova, size))
+                .map_err(|source| ServerError::DmaRejected {
+                    iova: u.iova,
+                    size: u.size,
+                    source,
+                })?
+        };
+        self.mapped_bytes = self.mapped_bytes.saturating_sub(report.bytes_removed);
+        debug!(
+            all = u.is_all(),
+            iova = format_args!("{:#x}", u.iova),
+            size = format_args!("{:#x}", u.size),
+            maps = report.maps_removed,
+            bytes = format_args!("{:#x}", report.bytes_removed),
+            "DMA_UNMAP"
+        );
         if report.leftover_pins > 0 {
             warn!(
                 leftover_pins = report.leftover_pins,
@@ -140,7 +142,7 @@ impl Connection {
                 u.size
             );
         }
-        Ok(Reply::from_payload(&u.encode()))
+        Ok(Reply::from_payload(&u.encode_reply(report.bytes_removed)))
     }
 
     pub(super) fn device_info(&mut self) -> Reply {
