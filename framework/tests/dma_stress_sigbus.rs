@@ -376,6 +376,37 @@ fn test_sigbus_raised_signal_kills_process() {
     assert_killed_by_sigbus(out.status, &describe(&out));
 }
 
+/// A hardware memory-error notice (`BUS_MCEERR_AO`, sent by the kernel's memory-failure
+/// handling, not raised by an access) must kill the process as it would without umdev.
+/// The notice is queued to this thread with that si_code (allowed to oneself).
+#[test]
+fn test_sigbus_memory_error_notice_kills_process() {
+    const NAME: &str = "test_sigbus_memory_error_notice_kills_process";
+    if in_child(NAME) {
+        let fd = dma_util::memfd(0x10000);
+        let (_space, _h) = map(&fd, 0x10_0000, 0x10000);
+        // SAFETY: a zeroed siginfo_t is a valid value; we fill in signo and code.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        info.si_signo = libc::SIGBUS;
+        info.si_code = libc::BUS_MCEERR_AO;
+        // SAFETY: rt_tgsigqueueinfo to this thread with a valid siginfo the kernel copies.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_rt_tgsigqueueinfo,
+                libc::getpid(),
+                libc::syscall(libc::SYS_gettid),
+                libc::SIGBUS,
+                &info as *const libc::siginfo_t,
+            )
+        };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        println!("survived BUS_MCEERR_AO");
+        return;
+    }
+    let out = run_child(NAME);
+    assert_killed_by_sigbus(out.status, &describe(&out));
+}
+
 /// `kill -BUS <server>` from another process: it must die of SIGBUS, as without umdev.
 #[test]
 fn test_sigbus_kill_from_other_process_kills_process() {
