@@ -224,8 +224,8 @@ fn map_fd(
         return Err(DmaError::Mmap(std::io::Error::last_os_error()));
     }
     // A regular file (memfd, tmpfs, hugetlbfs) shorter than the mapping would SIGBUS on
-    // access; refuse it up front. (A client that shrinks the file later can still cause
-    // SIGBUS, as with every vhost-user style backend: QEMU seals its memfds against that.)
+    // access; refuse it up front. (A client that shrinks the file later makes the device see
+    // zeros from the faulting page on: see `sigbus`.)
     if st.st_mode & libc::S_IFMT == libc::S_IFREG && (st.st_size as u64) < need {
         return Err(DmaError::InvalidArgument(
             "DMA mapping extends past the end of its file",

@@ -16,6 +16,9 @@ use super::{Prot, PAGE_SHIFT};
 /// unmapped on drop.
 pub(crate) struct HostMem {
     addr: *mut libc::c_void,
+    /// Length of the whole VMA: the mapped length rounded up to the file's page size (mmap
+    /// rounds a hugetlbfs length up to the huge page size, and munmap / `MAP_FIXED` over a
+    /// hugetlb VMA need huge-page-aligned bounds).
     len: usize,
     /// SIGBUS protection of the range (a client shrinking the file); released before unmap.
     sigbus: Option<super::sigbus::Registration>,
@@ -26,7 +29,9 @@ pub(crate) struct HostMem {
 unsafe impl Send for HostMem {}
 
 impl HostMem {
-    /// `mmap(MAP_SHARED)` `len` bytes of `fd` at `offset` with `prot`.
+    /// `mmap(MAP_SHARED)` `len` bytes of `fd` at `offset` with `prot`, protected against a
+    /// shrinking file (see `sigbus`). On hugetlbfs, `offset` must be a multiple of the huge
+    /// page size (else EINVAL) and the mapping covers `len` rounded up to it.
     pub(crate) fn map_fd(
         fd: BorrowedFd<'_>,
         len: usize,
@@ -35,13 +40,19 @@ impl HostMem {
     ) -> io::Result<Self> {
         let offset = libc::off_t::try_from(offset)
             .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let page_size = file_page_size(fd)?;
+        let len = len
+            .checked_next_multiple_of(page_size)
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let prot = prot_bits(prot);
         // SAFETY: a fresh mapping chosen by the kernel (addr NULL, no MAP_FIXED): it cannot
         // alias any Rust object; the fd is valid for the call.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                prot_bits(prot),
+                prot,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 offset,
@@ -50,7 +61,7 @@ impl HostMem {
         if addr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let sigbus = super::sigbus::register(addr as usize, len);
+        let sigbus = super::sigbus::register(addr as usize, len, page_size, prot);
         Ok(HostMem { addr, len, sigbus })
     }
 
@@ -95,6 +106,28 @@ impl Drop for HostMem {
             tracing::error!(addr = ?self.addr, len = self.len, err = %io::Error::last_os_error(), "munmap of a DMA mapping failed");
         }
     }
+}
+
+/// Page size of a `MAP_SHARED` mapping of `fd`: the huge page size on hugetlbfs, else the
+/// system page size.
+fn file_page_size(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    // SAFETY: fstatfs writes into the zeroed struct we pass; the fd is valid for the call.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let size = if fs.f_type as u32 == libc::HUGETLBFS_MAGIC as u32 {
+        // hugetlbfs reports its huge page size as the block size.
+        usize::try_from(fs.f_bsize).unwrap_or(0)
+    } else {
+        // SAFETY: sysconf has no memory-safety preconditions.
+        usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0)
+    };
+    if !size.is_power_of_two() || size < super::PAGE_SIZE as usize {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    Ok(size)
 }
 
 /// mmap protection bits of a [`Prot`].
@@ -205,5 +238,35 @@ pub(crate) struct InflightGuard<'a> {
 impl Drop for InflightGuard<'_> {
     fn drop(&mut self) {
         self.region.inflight.fetch_sub(1, SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+    fn memfd(flags: libc::c_uint) -> Option<OwnedFd> {
+        // SAFETY: memfd_create with a static NUL-terminated name; checked.
+        let fd = unsafe { libc::memfd_create(c"umdev-page-size".as_ptr(), flags) };
+        // SAFETY: a fresh fd we own.
+        (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    #[test]
+    fn test_file_page_size_hugetlb_memfd_is_huge_page_size() {
+        let plain = memfd(libc::MFD_CLOEXEC).unwrap();
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let system = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        assert_eq!(file_page_size(plain.as_fd()).unwrap(), system);
+        // Creating a hugetlb memfd needs no free huge page (mapping it does).
+        let Some(huge) = memfd(libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB) else {
+            println!(
+                "SKIPPED hugetlb part: memfd_create(MFD_HUGETLB): {}",
+                io::Error::last_os_error()
+            );
+            return;
+        };
+        assert_eq!(file_page_size(huge.as_fd()).unwrap(), 2 << 20);
     }
 }
