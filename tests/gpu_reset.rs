@@ -75,7 +75,7 @@ fn long_ring(ring_size: u32) -> Vec<u8> {
     for k in 1u32.. {
         let (cmd, len) = match k % 16 {
             0 | 4 | 8 | 12 => {
-                let color = k * 0x01_0203 & 0x00ff_ffff;
+                let color = (k * 0x01_0203) & 0x00ff_ffff;
                 (
                     Command::FillRect {
                         x: 0,
