@@ -431,12 +431,14 @@ mod tests {
             tx.send(()).unwrap();
             g2
         });
-        // The pause waits for the unit in progress.
+        // The worker is told to halt at its next boundary, and the pause waits for the
+        // unit in progress.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gate.halted() {
+            assert!(Instant::now() < deadline, "pause never started");
+            std::thread::yield_now();
+        }
         assert!(rx.recv_timeout(Duration::from_millis(50)).is_err());
-        assert!(
-            gate.halted(),
-            "the worker is told to halt at its next boundary"
-        );
         drop(busy);
         rx.recv_timeout(Duration::from_secs(5))
             .expect("pause returned");
