@@ -194,11 +194,22 @@ fn test_gpu_reset_during_long_ring_no_register_or_framebuffer_change_after_reply
     let ring_size = 64 * 1024;
     let (served, mut vmm, gpu) = start(common::raw_client::DEFAULT_CAPS);
     let (_ring, len) = fd_ring(&mut vmm, ring_size, 64);
-    let mut mid_ring = 0;
+    // The ring run to its end once: its last fill is what a reset that let the whole ring
+    // run would leave on the screen.
+    init(&mut vmm, ring_size, 0);
+    vmm.write32(BAR, REG_RING_TAIL, len as u32);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while vmm.read32(BAR, REG_RING_HEAD) as usize != len {
+        assert!(Instant::now() < deadline, "the ring never drained");
+    }
+    let end_of_ring = screen(&gpu);
+    reset(&mut vmm);
+    let (mut mid_ring, mut stopped_early) = (0, 0);
     for round in 1..=ROUNDS {
         init(&mut vmm, ring_size, 0);
         mid_ring += u32::from(publish_and_reset(&mut vmm, len));
         let at_reply = screen(&gpu);
+        stopped_early += u32::from(at_reply != end_of_ring);
         assert_reset_values(&mut vmm, round, "at once");
         std::thread::sleep(Duration::from_micros(300));
         assert_reset_values(&mut vmm, round, "300 µs later");
@@ -208,6 +219,11 @@ fn test_gpu_reset_during_long_ring_no_register_or_framebuffer_change_after_reply
         );
     }
     assert_raced(mid_ring);
+    // The reset stopped the ring at a command boundary, it did not let it run to its end.
+    assert!(
+        stopped_early >= ROUNDS / 2,
+        "only {stopped_early} of {ROUNDS} resets stopped the ring before its last fill"
+    );
     served.assert_space_unpinned();
 }
 
