@@ -12,6 +12,29 @@
 //! ([`commands`]) and draws ([`render`]). GTT pages are pinned on first use and cached until
 //! the entry changes, reset, disconnect or DMA unmap ([`gtt`]).
 //!
+//! Entry points that race with the worker, and what each guarantees when it returns (all
+//! run on the connection thread, with the device lock held):
+//!
+//! - **reset** (DEVICE_RESET, FLR): the worker is quiesced first (`Worker::quiesce`, see
+//!   `worker.rs`: it stops at its next command boundary and stays parked), then registers,
+//!   INTx, GTT and pins are reset, then the worker is let go (it finds the ring off). So
+//!   after the reset reply nothing queued before it shows: no register change
+//!   (`FENCE_VALUE`, `IRQ_STATUS`, errors, `RING_HEAD`), no interrupt, no framebuffer
+//!   write, no pin, no DMA access (no DMA_READ on the wire for fd-less memory). The wait is
+//!   for at most one unit of work, bounded by the remote DMA timeout (`worker.rs` says why
+//!   it cannot deadlock).
+//! - **DMA unmap notifier**: drops the pins in the range after waiting for pin calls in
+//!   flight ([`gtt::GttCell::quiesce`]); a pixel copy from a pinned page holds the GTT lock,
+//!   so it ends before. The worker's `dma.read`s of the ring are covered by the DMA layer
+//!   (it waits for accesses in flight and refuses new ones in the range), so the worker
+//!   keeps running: later commands that need the range fail with a `GTT_FAULT` or
+//!   `RING_FAULT`. No full quiesce, no wait for the client.
+//! - **disconnect**: as the unmap notifier, for everything (the server has unmapped every
+//!   region and closed the socket first, so a fetch of fd-less memory fails at once and new
+//!   pins fail). Device state is kept, so the worker is not stopped.
+//! - **a second attach and `Drop`**: the worker is stopped and joined (it leaves at its
+//!   next command boundary), then its pins are released with the handle it used.
+//!
 //! ```no_run
 //! use umdev::pci::PciAdapter;
 //! use umdev_devices::gpu::{Gpu, GpuConfig};
@@ -222,6 +245,10 @@ impl PciDevice for Gpu {
     }
 
     fn reset(&mut self) {
+        // First the worker: it stops at its next command boundary and stays parked while
+        // the registers, the interrupt line and the GTT go back to their reset values, so
+        // no completion of work queued before the reset shows after it (module doc).
+        let _parked = self.worker.as_ref().map(Worker::quiesce);
         lock(&self.shared.regs).reset();
         self.shared.idle.notify_all();
         lock(&self.shared.irq).lower_intx();

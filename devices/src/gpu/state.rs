@@ -11,8 +11,10 @@ use super::gtt::{lock, GttCell};
 use super::regs::Regs;
 
 /// Everything both threads touch. No thread holds two of these locks at once, and the worker
-/// never holds one while it calls into the DMA layer (a DMA access may need the connection
-/// thread, e.g. server→client DMA_READ, and the unmap notifier takes `gtt`).
+/// never holds one while it calls into the DMA layer (a DMA access may wait for the client,
+/// e.g. a server→client DMA_READ, and the unmap notifier takes `gtt`). The connection
+/// thread holds none of them while it waits for the worker in `Worker::quiesce`: the
+/// worker may need any of them to finish its unit of work.
 pub struct Shared {
     /// The register file.
     pub regs: Mutex<Regs>,
