@@ -15,6 +15,7 @@ use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
 use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
 use umdev::server::{Server, ServerConfig};
+use umdev_cli::signals::TerminationSignals;
 use umdev_cli::vmm::{wait_eventfd, Vmm};
 
 const REG_ID: u64 = 0x00;
@@ -114,16 +115,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => dir.path().join("hello.sock"),
     };
 
+    // Before any thread starts, so that Ctrl-C/SIGTERM reach `serve_until_signal`.
+    let signals = serve_only.then(TerminationSignals::block);
     let device = PciAdapter::new(Hello::default())?;
-    let server = Server::new(
-        ServerConfig::new(&socket),
-        Box::new(device),
-        DmaSpace::new(DmaConfig::default()),
-    )
-    .spawn()?;
-    if serve_only {
+    let dma = DmaSpace::new(DmaConfig::default());
+    let server = Server::new(ServerConfig::new(&socket), Box::new(device), dma.clone()).spawn()?;
+    if let Some(signals) = signals {
         println!("serving hello on {} (Ctrl-C to stop)", socket.display());
-        return Ok(server.join()?);
+        return Ok(signals.serve_until_signal(server, &dma)?);
     }
 
     // Play VMM and guest driver: 1 MiB of guest RAM at 1 GiB, counter at its start.

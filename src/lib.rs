@@ -2,4 +2,5 @@
 //! `hello` example and the end-to-end tests.
 #![deny(missing_docs)]
 
+pub mod signals;
 pub mod vmm;

@@ -12,6 +12,7 @@ use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
 use crate::{CliResult, DeviceKind};
+use umdev_cli::signals::TerminationSignals;
 
 /// Residency policy for pinned pages (see protocol-docs/dma.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -99,31 +100,9 @@ pub fn build_device(
     })
 }
 
-/// Block SIGINT/SIGTERM in this thread (and the threads it spawns later) so that
-/// `wait_for_signal` can take them synchronously.
-fn block_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid sigset_t; pthread_sigmask only changes this thread's mask.
-    unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-    }
-    set
-}
-
-fn wait_for_signal(set: &libc::sigset_t) -> i32 {
-    let mut sig = 0;
-    // SAFETY: `set` holds signals blocked in every thread; sigwait writes `sig`.
-    unsafe { libc::sigwait(set, &mut sig) };
-    sig
-}
-
 /// Entry point.
 pub fn run(args: RunArgs) -> CliResult {
-    let sigs = block_signals();
+    let sigs = TerminationSignals::block();
     let dma = DmaSpace::new(DmaConfig {
         policy: args.pin_policy.into(),
         lock_limit_bytes: args.lock_limit,
@@ -145,16 +124,7 @@ pub fn run(args: RunArgs) -> CliResult {
         args.socket.display(),
         args.pin_policy
     );
-    let sig = wait_for_signal(&sigs);
-    tracing::info!("signal {sig}: shutting down");
-    server.shutdown()?;
+    sigs.serve_until_signal(server, &dma)?;
     dma.set_pin_recorder(None);
-    let stats = dma.stats();
-    tracing::info!(
-        "stopped: {} maps, {} pinned pages, {} leaked pins force-released",
-        stats.maps,
-        stats.pinned_pages,
-        stats.leaked_pins_released
-    );
     Ok(())
 }

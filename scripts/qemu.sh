@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# Find or build a QEMU that has vfio-user-pci (QEMU >= 10.1), and get a Debian guest kernel
+# and busybox for the real-VMM suite. Never touches the system's QEMU or its apt sources.
+#
+#   scripts/qemu.sh qemu     print the path of a usable qemu-system-x86_64 (building it if needed)
+#   scripts/qemu.sh guest    print the directory holding vmlinuz, busybox and the kernel modules
+#   scripts/qemu.sh env      both, as shell assignments (QEMU_BIN=..., UMDEV_GUEST_DIR=...)
+#
+# Lookup order for QEMU: $QEMU_BIN, then qemu-system-x86_64 on PATH, then the cache
+# ($UMDEV_CACHE_DIR, default ~/.cache/umdev). A candidate is used only if it is >= 10.1 and
+# lists vfio-user-pci. Otherwise QEMU 10.2.2 is built into the cache from Debian's source
+# package (about 15 minutes on 2 cores, once per machine). Progress goes to stderr; only the
+# answer goes to stdout.
+set -euo pipefail
+
+QEMU_DEB_VERSION="1:10.2.2+ds-1"
+QEMU_VERSION="10.2.2"
+CACHE="${UMDEV_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/umdev}"
+QEMU_PREFIX="$CACHE/qemu-$QEMU_VERSION"
+GUEST_DIR="$CACHE/guest"
+
+say() { printf 'qemu.sh: %s\n' "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# Is "$1" a qemu-system-x86_64 >= 10.1 with vfio-user-pci?
+usable_qemu() {
+    local bin="$1" ver major minor
+    [ -x "$bin" ] || return 1
+    ver=$("$bin" --version 2>/dev/null | sed -n 's/^QEMU emulator version \([0-9]*\)\.\([0-9]*\).*/\1 \2/p') || return 1
+    [ -n "$ver" ] || return 1
+    read -r major minor <<<"$ver"
+    if [ "$major" -lt 10 ] || { [ "$major" -eq 10 ] && [ "$minor" -lt 1 ]; }; then
+        say "$bin is QEMU $major.$minor (< 10.1, no vfio-user-pci): not used"
+        return 1
+    fi
+    if ! "$bin" -nodefaults -machine none -device help 2>/dev/null | grep -q '"vfio-user-pci"'; then
+        say "$bin is QEMU $major.$minor but was built without vfio-user-pci: not used"
+        return 1
+    fi
+    return 0
+}
+
+need_root_for_packages() {
+    if [ "$(id -u)" -ne 0 ]; then
+        die "installing build dependencies needs root (apt-get); install: $*"
+    fi
+}
+
+apt_install() {
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    [ "${#missing[@]}" -eq 0 ] && return 0
+    need_root_for_packages "${missing[@]}"
+    say "installing from Debian stable: ${missing[*]}"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+}
+
+# The archive the machine already uses (deb.debian.org, a mirror, a snapshot...).
+debian_archive() {
+    local uri
+    uri=$(grep -hE '^\s*URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' | grep -v -- '-security' | grep -i debian | head -n1 || true)
+    if [ -z "$uri" ]; then
+        uri=$(grep -hE '^\s*deb\s' /etc/apt/sources.list 2>/dev/null | awk '{for(i=2;i<=NF;i++) if ($i ~ /^[a-z]+:\/\//) {print $i; exit}}' | grep -v -- '-security' | head -n1 || true)
+    fi
+    [ -n "$uri" ] || die "cannot find a Debian archive in /etc/apt/sources.list*"
+    printf '%s\n' "$uri"
+}
+
+build_qemu() {
+    local work="$CACHE/build-qemu"
+    say "no usable QEMU found: building QEMU $QEMU_VERSION from Debian's source package into $QEMU_PREFIX"
+    say "(about 15 minutes on 2 cores; done once per machine)"
+    apt_install dpkg-dev ninja-build pkg-config libglib2.0-dev libpixman-1-dev flex bison gcc make \
+        python3-venv seabios ipxe-qemu qemu-system-data
+    rm -rf "$work"
+    mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial"
+    # A private apt configuration holding only unstable's *source* index: the system's apt
+    # sources and state are not changed, and no binary package from unstable is installed.
+    local archive
+    archive=$(debian_archive)
+    printf 'deb-src %s unstable main\n' "$archive" >"$work/apt/sources.list"
+    local aptopts=(-o "Dir::Etc::SourceList=$work/apt/sources.list" -o "Dir::Etc::SourceParts=-"
+        -o "Dir::State::Lists=$work/apt/lists" -o "Dir::Cache=$work/apt/cache" -o "APT::Sandbox::User=root")
+    say "fetching unstable's source index from $archive"
+    apt-get "${aptopts[@]}" update -q >&2
+    say "downloading qemu=$QEMU_DEB_VERSION source"
+    (cd "$work" && apt-get "${aptopts[@]}" source -q "qemu=$QEMU_DEB_VERSION" >&2)
+    local src
+    src=$(find "$work" -maxdepth 1 -type d -name "qemu-$QEMU_VERSION*" | head -n1)
+    [ -d "$src" ] || die "apt-get source did not unpack qemu-$QEMU_VERSION"
+    say "installing meson from PyPI into a venv (Debian stable's meson is too old)"
+    python3 -m venv "$work/venv" >&2
+    "$work/venv/bin/pip" install -q 'meson>=1.5' >&2
+    say "configuring"
+    mkdir -p "$src/build"
+    (cd "$src/build" && PATH="$work/venv/bin:$PATH" ../configure --prefix="$QEMU_PREFIX" \
+        --python="$work/venv/bin/python3" \
+        --target-list=x86_64-softmmu --disable-docs --disable-werror --disable-download \
+        --disable-install-blobs --disable-gtk --disable-sdl --disable-opengl --disable-tools \
+        --disable-guest-agent --disable-rust --disable-xen --disable-spice >&2)
+    say "building (ninja -j$(nproc))"
+    (cd "$src/build" && PATH="$work/venv/bin:$PATH" ninja -j"$(nproc)" qemu-system-x86_64 >&2)
+    rm -rf "$QEMU_PREFIX"
+    mkdir -p "$QEMU_PREFIX/bin"
+    cp "$src/build/qemu-system-x86_64" "$QEMU_PREFIX/bin/"
+    rm -rf "$work"
+    usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64" || die "the freshly built QEMU is not usable"
+    say "built $QEMU_PREFIX/bin/qemu-system-x86_64"
+}
+
+find_qemu() {
+    if [ -n "${QEMU_BIN:-}" ]; then
+        usable_qemu "$QEMU_BIN" && { printf '%s\n' "$QEMU_BIN"; return; }
+        die "\$QEMU_BIN=$QEMU_BIN is not a usable QEMU (needs >= 10.1 with vfio-user-pci)"
+    fi
+    local onpath
+    onpath=$(command -v qemu-system-x86_64 || true)
+    if [ -n "$onpath" ] && usable_qemu "$onpath"; then printf '%s\n' "$onpath"; return; fi
+    if usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64"; then
+        printf '%s\n' "$QEMU_PREFIX/bin/qemu-system-x86_64"; return
+    fi
+    mkdir -p "$CACHE"
+    exec 9>"$CACHE/.qemu.lock"
+    flock 9
+    if ! usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64" 2>/dev/null; then
+        build_qemu
+    fi
+    printf '%s\n' "$QEMU_PREFIX/bin/qemu-system-x86_64"
+}
+
+# The guest: Debian stable's newest 6.1 kernel (unsigned image) and busybox-static, unpacked
+# with dpkg -x (nothing installed on the host).
+find_guest() {
+    if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -d "$GUEST_DIR/modules" ]; then
+        printf '%s\n' "$GUEST_DIR"; return
+    fi
+    mkdir -p "$CACHE"
+    exec 8>"$CACHE/.guest.lock"
+    flock 8
+    local work="$CACHE/build-guest"
+    rm -rf "$work"; mkdir -p "$work"
+    local pkg
+    pkg=$(apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64-unsigned$' | awk '{print $1}' | sort -V | tail -n1)
+    if [ -z "$pkg" ]; then
+        need_root_for_packages "(apt-get update)"
+        apt-get update -q >&2
+        pkg=$(apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64-unsigned$' | awk '{print $1}' | sort -V | tail -n1)
+    fi
+    [ -n "$pkg" ] || die "no linux-image-6.1.0-*-amd64-unsigned package in the apt index"
+    say "downloading $pkg and busybox-static (apt-get download; nothing is installed)"
+    (cd "$work" && apt-get -o APT::Sandbox::User=root download -q "$pkg" busybox-static >&2)
+    for deb in "$work"/*.deb; do dpkg -x "$deb" "$work/root"; done
+    local kver
+    kver=$(ls "$work/root/lib/modules" | head -n1)
+    rm -rf "$GUEST_DIR"; mkdir -p "$GUEST_DIR"
+    cp "$work/root/boot/vmlinuz-$kver" "$GUEST_DIR/vmlinuz"
+    cp "$work/root/bin/busybox" "$GUEST_DIR/busybox"
+    # Only the modules the suite loads and what they depend on, in load order (modules/order
+    # lists them dependencies first). The .deb has no modules.dep and the host may have no
+    # depmod: read each module's own "depends=" entry from its .modinfo strings.
+    mkdir -p "$GUEST_DIR/modules"
+    local moddir="$work/root/lib/modules/$kver/kernel" order=() m
+    module_file() { # module name (- and _ are the same) -> path
+        local pat="${1//[-_]/[-_]}"
+        find "$moddir" -regex ".*/$pat\.ko" | head -n1
+    }
+    add_module() {
+        local name="${1//-/_}" seen f dep
+        for seen in "${order[@]}"; do [ "$seen" = "$name" ] && return 0; done
+        f=$(module_file "$1")
+        [ -n "$f" ] || die "module $1 is not in the $kver package"
+        for dep in $(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr , ' '); do
+            add_module "$dep"
+        done
+        order+=("$name")
+        cp "$f" "$GUEST_DIR/modules/$name.ko"
+    }
+    for m in uio_pci_generic vfio_pci vfio_iommu_type1; do add_module "$m"; done
+    printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order"
+    printf '%s\n' "$kver" >"$GUEST_DIR/kernel-version"
+    rm -rf "$work"
+    say "guest kernel $kver and busybox in $GUEST_DIR"
+    printf '%s\n' "$GUEST_DIR"
+}
+
+case "${1:-}" in
+    qemu) find_qemu ;;
+    guest) find_guest ;;
+    env)
+        q=$(find_qemu); g=$(find_guest)
+        printf 'QEMU_BIN=%q\nUMDEV_GUEST_DIR=%q\n' "$q" "$g" ;;
+    -h|--help|"")
+        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+        [ -n "${1:-}" ] ;;
+    *) die "unknown command '$1' (try --help)" ;;
+esac

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# umdev's real-VMM suite: QEMU (>= 10.1, vfio-user-pci) boots a Debian guest kernel with
+# umdev's example devices attached; a static Rust program inside the guest drives them like a
+# guest driver. The first run on a machine builds QEMU (~15 minutes on 2 cores) and downloads
+# the guest kernel; later runs reuse them from ~/.cache/umdev.
+#
+#   scripts/vm-tests.sh [umdev-vmtest options]     e.g. --only memfd --verbose; --help for all
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# QEMU_BIN and UMDEV_GUEST_DIR (found, or built/downloaded into the cache).
+eval "$(scripts/qemu.sh env)"
+export QEMU_BIN UMDEV_GUEST_DIR
+
+echo "vm-tests: building umdev, the hello example and the harness (release)" >&2
+cargo build --release --quiet -p umdev-cli --bins --examples
+cargo build --release --quiet -p umdev-vmtest
+
+# The guest program runs on a busybox initramfs with no libc: link it statically. Its own
+# target directory keeps these flags from invalidating the host build.
+host=$(rustc -vV | sed -n 's/^host: //p')
+echo "vm-tests: building umdev-guest (static, $host)" >&2
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --quiet -p umdev-guest --target "$host" --target-dir target/guest
+
+exec target/release/umdev-vmtest \
+    --guest-bin "target/guest/$host/release/umdev-guest" \
+    --umdev target/release/umdev \
+    --hello target/release/examples/hello \
+    "$@"
