@@ -1,0 +1,224 @@
+//! One QEMU run: the command line (q35, TCG or KVM, guest RAM as a shared memfd or plain,
+//! optionally an intel-iommu in caching mode, one `vfio-user-pci` per server), the serial
+//! console collected line by line with timestamps, a timeout.
+
+use std::io::{self, BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How guest RAM reaches the servers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ram {
+    /// `memory-backend-memfd,share=on`: DMA_MAP carries fds; devices can pin.
+    Memfd,
+    /// Plain RAM: DMA_MAP without fds; DMA goes through DMA_READ/DMA_WRITE, pins are refused.
+    Plain,
+}
+
+/// Accelerator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accel {
+    /// Software emulation.
+    Tcg,
+    /// Hardware virtualisation.
+    Kvm,
+}
+
+impl Accel {
+    fn arg(self) -> &'static str {
+        match self {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        }
+    }
+}
+
+/// Everything one run needs.
+pub struct Vm<'a> {
+    /// The QEMU binary.
+    pub qemu: &'a Path,
+    /// Accelerator.
+    pub accel: Accel,
+    /// Guest kernel.
+    pub kernel: &'a Path,
+    /// initramfs (None: kernel only, for the KVM probe).
+    pub initrd: Option<&'a Path>,
+    /// Guest RAM in MiB.
+    pub mem_mib: u32,
+    /// RAM mode.
+    pub ram: Ram,
+    /// Add `-device intel-iommu,caching-mode=on` (and `intel_iommu=on` for the guest).
+    pub viommu: bool,
+    /// Let the guest reboot (otherwise a reboot ends QEMU).
+    pub allow_reboot: bool,
+    /// vfio-user sockets, one `vfio-user-pci` each.
+    pub sockets: Vec<PathBuf>,
+    /// Extra kernel command line.
+    pub append: String,
+    /// Give up after this long.
+    pub timeout: Duration,
+    /// Echo the console to stderr as it comes.
+    pub echo: bool,
+    /// Where QEMU's own stderr goes.
+    pub stderr_log: PathBuf,
+    /// Stop as soon as a console line contains this (used by the KVM probe).
+    pub stop_at: Option<&'static str>,
+}
+
+/// What a run produced.
+pub struct Run {
+    /// Console lines with the time since QEMU started.
+    pub console: Vec<(Duration, String)>,
+    /// QEMU's exit status (None: killed at the timeout or at `stop_at`).
+    pub exit: Option<ExitStatus>,
+    /// The run hit its timeout.
+    pub timed_out: bool,
+    /// Wall time.
+    pub elapsed: Duration,
+    /// QEMU's stderr.
+    pub stderr: String,
+}
+
+impl Run {
+    /// Time from QEMU start to the first console line containing `marker`.
+    pub fn time_to(&self, marker: &str) -> Option<Duration> {
+        self.console
+            .iter()
+            .find(|(_, l)| l.contains(marker))
+            .map(|(t, _)| *t)
+    }
+}
+
+/// Firmware directories of Debian's seabios, qemu-system-data and ipxe-qemu packages (the
+/// QEMU built by `scripts/qemu.sh` is configured without its own blobs).
+const FIRMWARE_DIRS: &[&str] = &[
+    "/usr/share/seabios",
+    "/usr/share/qemu",
+    "/usr/lib/ipxe/qemu",
+];
+
+impl Vm<'_> {
+    /// The QEMU command line.
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(self.qemu);
+        c.args(["-nodefaults", "-no-user-config", "-display", "none"]);
+        c.args(["-accel", self.accel.arg(), "-smp", "1"]);
+        c.args(["-m", &format!("{}M", self.mem_mib)]);
+        match self.ram {
+            Ram::Memfd => {
+                c.args(["-machine", "q35,memory-backend=mem"]);
+                c.args([
+                    "-object",
+                    &format!(
+                        "memory-backend-memfd,id=mem,size={}M,share=on",
+                        self.mem_mib
+                    ),
+                ]);
+            }
+            Ram::Plain => {
+                c.args(["-machine", "q35"]);
+            }
+        }
+        for d in FIRMWARE_DIRS {
+            if Path::new(d).is_dir() {
+                c.args(["-L", d]);
+            }
+        }
+        c.arg("-kernel").arg(self.kernel);
+        if let Some(initrd) = self.initrd {
+            c.arg("-initrd").arg(initrd);
+        }
+        let mut append = String::from("console=ttyS0,115200 panic=-1 loglevel=4 ");
+        if self.viommu {
+            append.push_str("intel_iommu=on ");
+            // Must come before the devices it translates for.
+            c.args(["-device", "intel-iommu,caching-mode=on"]);
+        }
+        append.push_str(&self.append);
+        c.args(["-append", append.trim()]);
+        c.args(["-serial", "stdio"]);
+        if !self.allow_reboot {
+            c.arg("-no-reboot");
+        }
+        for s in &self.sockets {
+            c.args([
+                "-device",
+                &format!(
+                    r#"{{"driver":"vfio-user-pci","socket":{{"type":"unix","path":"{}"}}}}"#,
+                    s.display()
+                ),
+            ]);
+        }
+        c
+    }
+
+    /// Run QEMU to completion (or the timeout).
+    pub fn run(&self) -> io::Result<Run> {
+        let mut cmd = self.command();
+        let stderr = std::fs::File::create(&self.stderr_log)?;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        let start = Instant::now();
+        let mut child = cmd.spawn().map_err(|e| {
+            io::Error::new(e.kind(), format!("starting {}: {e}", self.qemu.display()))
+        })?;
+        let console = Arc::new(Mutex::new(Vec::<(Duration, String)>::new()));
+        let stop_hit = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let out = child.stdout.take().expect("piped stdout");
+            let console = console.clone();
+            let stop_hit = stop_hit.clone();
+            let (echo, stop_at) = (self.echo, self.stop_at);
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(out);
+                let mut buf = Vec::new();
+                while r.read_until(b'\n', &mut buf).is_ok_and(|n| n > 0) {
+                    let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                    buf.clear();
+                    if echo {
+                        eprintln!("  | {line}");
+                    }
+                    if stop_at.is_some_and(|m| line.contains(m)) {
+                        stop_hit.store(true, std::sync::atomic::Ordering::Release);
+                    }
+                    console
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((start.elapsed(), line));
+                }
+            })
+        };
+        let mut exit = None;
+        let mut timed_out = false;
+        loop {
+            if let Some(st) = child.try_wait()? {
+                exit = Some(st);
+                break;
+            }
+            if stop_hit.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
+            if start.elapsed() > self.timeout {
+                timed_out = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if exit.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = reader.join();
+        let console = std::mem::take(&mut *console.lock().unwrap_or_else(|e| e.into_inner()));
+        Ok(Run {
+            console,
+            exit,
+            timed_out,
+            elapsed: start.elapsed(),
+            stderr: std::fs::read_to_string(&self.stderr_log).unwrap_or_default(),
+        })
+    }
+}

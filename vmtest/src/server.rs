@@ -1,0 +1,202 @@
+//! umdev servers as a user runs them next to QEMU: `umdev run gpu|ccw` and the hello
+//! example's `--serve` mode, each a separate process with its log in a file, stopped with
+//! SIGTERM; and the host-side checks made on them after a guest run.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::report::Check;
+
+/// Which device a server serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `umdev run gpu`.
+    Gpu,
+    /// `umdev run ccw` with a fresh 16 MiB image.
+    Ccw,
+    /// `examples/hello --serve`.
+    Hello,
+}
+
+impl Kind {
+    /// Short name (socket and log file names, check names).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Gpu => "gpu",
+            Kind::Ccw => "ccw",
+            Kind::Hello => "hello",
+        }
+    }
+}
+
+/// The binaries under test.
+pub struct Bins {
+    /// The `umdev` binary.
+    pub umdev: PathBuf,
+    /// The hello example binary.
+    pub hello: PathBuf,
+}
+
+/// A running server process.
+pub struct Server {
+    /// What it serves.
+    pub kind: Kind,
+    /// Its vfio-user socket.
+    pub socket: PathBuf,
+    /// Its log (stderr and stdout).
+    pub log: PathBuf,
+    child: Child,
+}
+
+/// How a server ended.
+pub struct Outcome {
+    /// What it served.
+    pub kind: Kind,
+    /// Still running when the guest was done (it must survive the client).
+    pub alive_after_guest: bool,
+    /// Exit status after SIGTERM (None: had to be killed).
+    pub exit: Option<ExitStatus>,
+    /// The whole log.
+    pub log: String,
+}
+
+impl Server {
+    /// Start the server for `kind` in `dir` and wait for its socket.
+    pub fn start(kind: Kind, bins: &Bins, dir: &Path) -> io::Result<Server> {
+        let socket = dir.join(format!("{}.sock", kind.name()));
+        let log = dir.join(format!("{}.log", kind.name()));
+        let mut cmd = match kind {
+            Kind::Gpu | Kind::Ccw => {
+                let mut c = Command::new(&bins.umdev);
+                c.arg("run").arg(kind.name()).arg("--socket").arg(&socket);
+                if kind == Kind::Ccw {
+                    c.arg("--image")
+                        .arg(dir.join("ccw.img"))
+                        .args(["--image-size-mib", "16"]);
+                }
+                c
+            }
+            Kind::Hello => {
+                let mut c = Command::new(&bins.hello);
+                c.arg("--serve").arg(&socket);
+                c
+            }
+        };
+        let out = File::create(&log)?;
+        cmd.env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        let mut child = cmd.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("starting {}: {e}", cmd.get_program().to_string_lossy()),
+            )
+        })?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !socket.exists() {
+            if let Some(st) = child.try_wait()? {
+                return Err(io::Error::other(format!(
+                    "{} server exited ({st}) before creating its socket; log:\n{}",
+                    kind.name(),
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                return Err(io::Error::other(format!(
+                    "{} server: no socket after 20 s",
+                    kind.name()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(Server {
+            kind,
+            socket,
+            log,
+            child,
+        })
+    }
+
+    /// SIGTERM it and wait (up to 15 s, then SIGKILL).
+    pub fn stop(mut self) -> Outcome {
+        let alive_after_guest = matches!(self.child.try_wait(), Ok(None));
+        let mut exit = None;
+        if alive_after_guest {
+            // SAFETY: signalling our own child process.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(st)) = self.child.try_wait() {
+                    exit = Some(st);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if exit.is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        } else {
+            exit = self.child.try_wait().ok().flatten();
+        }
+        Outcome {
+            kind: self.kind,
+            alive_after_guest,
+            exit,
+            log: std::fs::read_to_string(&self.log).unwrap_or_default(),
+        }
+    }
+}
+
+impl Outcome {
+    /// The host-side checks: the server outlived the guest, logged the disconnect with no
+    /// pins left behind, stopped cleanly on SIGTERM with nothing mapped or pinned, and never
+    /// panicked. `fd_less` adds: pins were refused with the hint to use a memfd backend
+    /// (only for devices that pin).
+    pub fn checks(&self, fd_less: bool) -> Vec<Check> {
+        let dev = self.kind.name();
+        let mut v = vec![
+            Check::new(
+                format!("{dev}.server_alive_after_guest"),
+                self.alive_after_guest,
+                "",
+            ),
+            Check::new(
+                format!("{dev}.server_disconnect_logged"),
+                self.log.contains("client disconnected"),
+                "log line 'client disconnected'",
+            ),
+            Check::new(
+                format!("{dev}.server_no_leftover_pins"),
+                !self.log.contains("left pins behind"),
+                "no 'left pins behind' in the log",
+            ),
+            Check::new(
+                format!("{dev}.server_clean_sigterm"),
+                self.exit.is_some_and(|s| s.success())
+                    && self
+                        .log
+                        .contains("stopped: 0 maps, 0 pinned pages, 0 leaked pins"),
+                format!("exit {:?}", self.exit),
+            ),
+            Check::new(
+                format!("{dev}.server_no_panic"),
+                !self.log.contains("panicked"),
+                "",
+            ),
+        ];
+        if fd_less && self.kind != Kind::Hello {
+            v.push(Check::new(
+                format!("{dev}.server_fdless_pin_hint_logged"),
+                self.log.contains("memory-backend-memfd"),
+                "the pin refusal tells the user to add a shared memfd backend",
+            ));
+        }
+        v
+    }
+}
