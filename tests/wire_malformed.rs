@@ -50,12 +50,26 @@ fn test_malformed_version_variants_rejected_and_connection_closed() {
     let mut bad_json = vec![0, 0, 0, 0];
     bad_json.extend_from_slice(b"{oops\0");
     let e = efd();
-    let cases: [(&str, Command, &[u8], &[RawFd], u32); 7] = [
-        ("a command before VERSION", Command::DeviceReset, &[], &[], EINVAL),
+    // (what, command, payload, fds, errno; 0 = accepted)
+    type Case<'a> = (&'a str, Command, &'a [u8], &'a [RawFd], u32);
+    let cases: [Case; 7] = [
+        (
+            "a command before VERSION",
+            Command::DeviceReset,
+            &[],
+            &[],
+            EINVAL,
+        ),
         ("short", Command::Version, &[0, 0], &[], EINVAL),
         ("bad JSON", Command::Version, &bad_json, &[], EINVAL),
         ("missing NUL", Command::Version, b"\0\0\0\0{}", &[], EINVAL),
-        ("major 1", Command::Version, &major1, &[], libc::ENOTSUP as u32),
+        (
+            "major 1",
+            Command::Version,
+            &major1,
+            &[],
+            libc::ENOTSUP as u32,
+        ),
         (
             "fds attached",
             Command::Version,
