@@ -39,16 +39,22 @@ enum Command {
 }
 
 fn main() {
+    let cli = Cli::parse();
+    // A server's log is its report: info by default. A benchmark's report is its tables, so
+    // the servers it starts log only warnings unless RUST_LOG asks for more.
+    let default_level = match cli.command {
+        Command::Bench(_) => "warn",
+        Command::Run(_) | Command::Demo(_) => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .with_writer(std::io::stderr)
         // Colour codes only for a terminal: a log file or a pipe gets plain text.
         .with_ansi(log_colours())
         .init();
-    let cli = Cli::parse();
     let result: CliResult = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Demo(args) => demo::run(args),

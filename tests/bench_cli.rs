@@ -243,6 +243,26 @@ fn test_bench_wire_quick_json_has_every_row() {
 }
 
 #[test]
+fn test_bench_wire_default_logging_keeps_server_info_lines_out_of_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("wire.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["bench", "wire", "--quick", "--samples", "3"])
+        .args(["--map-sizes", "4096", "--json", json.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run umdev");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "umdev bench wire failed: {stderr}");
+    // The servers connect and negotiate (info lines) for every row; none may show.
+    assert!(
+        !stderr.contains(" INFO "),
+        "server info lines in the benchmark report: {stderr}"
+    );
+    assert!(!stderr.contains('\x1b'), "colour codes in a piped report");
+}
+
+#[test]
 fn test_bench_record_both_devices_write_replayable_traces() {
     let dir = tempfile::tempdir().unwrap();
     for (device, min_arrays) in [("gpu", 4), ("ccw", 4)] {
