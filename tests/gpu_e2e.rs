@@ -394,7 +394,11 @@ fn test_gpu_e2e_device_reset_releases_pins_and_clears_registers() {
     assert_eq!(s.drv.read(REG_MODE_CTRL).unwrap(), 0);
     assert_eq!(s.drv.read(REG_RING_CTRL).unwrap(), 0);
     assert_eq!(s.drv.read(GTT_BASE + 40 * 8).unwrap(), 0);
-    // The guest driver re-initialises and the device serves again.
+    // The guest driver re-initialises (reset cleared the command register: memory space and
+    // Bus Master first, as a driver's probe does) and the device serves again.
+    s.client()
+        .region_write(CONFIG_REGION, 4, &0x0006u16.to_le_bytes())
+        .unwrap();
     s.drv.set_mode(W, H, W * 4).unwrap();
     s.drv.setup_ring(RAM_BASE, RING_SIZE).unwrap();
     let model = draw_scene(&mut s);

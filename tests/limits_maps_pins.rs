@@ -175,6 +175,8 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
         |_| {},
     );
     let mut client = served.connect();
+    // The test pins through the device's DMA handle: the guest lets the device DMA.
+    rig::enable_device(&mut client);
     let mem = rig::memfd(64 * PAGE_SIZE);
     rig::client_map(&mut client, &served.dma, &mem, 0, BASE, 64 * PAGE_SIZE);
     let h = served.dma.handle();

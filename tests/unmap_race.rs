@@ -434,6 +434,8 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
     let (c, _) = common::RawClient::negotiated(&served.path, caps);
     let mut vmm = RawVmm::new(c, FDLESS, SIZE as usize);
     vmm.answer = Answer::Honest;
+    // Memory space + Bus Master: the test's "device thread" DMAs through the device's handle.
+    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
     for round in 0..6 {
         assert_eq!(vmm.map(FDLESS, SIZE, None), 0);
         let h = served.dma.handle();

@@ -78,7 +78,8 @@ fn finish_and_check(rig: &mut Rig) {
     assert_eq!(rig.gpu().pins_held(), 0);
     let stats = rig.space.stats();
     assert_eq!((stats.pinned_pages, stats.locked_pages), (0, 0));
-    // Still serving after reset.
+    // Still serving after reset, once the guest re-enables the device.
+    rig.enable_device();
     rig.drv.set_mode(W, H, W * 4).unwrap();
     rig.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
     rig.run_fenced(&[], 0xfeed);

@@ -87,6 +87,7 @@ fn test_reset_racing_with_blits_leaves_no_pins() {
     let mut rig = Rig::new(PinPolicy::Lock);
     let pages: Vec<u64> = (0..32).map(|k| SURFACE_GPA + k * 4096).collect();
     for round in 0..20 {
+        rig.enable_device(); // Reset cleared Bus Master: a driver sets it again.
         rig.drv.set_mode(W, H, W * 4).unwrap();
         rig.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
         rig.map_gtt(0, &pages, false);

@@ -28,7 +28,7 @@ pub mod cstat {
     /// Protection check: a data page does not allow the access the command needs.
     pub const PROTECTION_CHECK: u8 = 0x10;
     /// Channel-control check: the device could not carry out a valid program (pin limit,
-    /// aborted by a DMA unmap).
+    /// aborted by a DMA unmap, Bus Master Enable clear).
     pub const CHANNEL_CONTROL_CHECK: u8 = 0x04;
 }
 
@@ -100,11 +100,15 @@ pub enum Fault {
     Aborted = 25,
     /// START was written before the device was attached to a DMA space.
     NotAttached = 26,
+    /// The guest has cleared Bus Master Enable in the PCI command register, so the device
+    /// may not access guest memory: the program stopped at its first DMA (usually reading
+    /// the operation block, so nothing ran and no status block could be stored).
+    BusMasterOff = 27,
 }
 
 impl Fault {
     /// All faults, in code order.
-    pub const ALL: [Fault; 27] = [
+    pub const ALL: [Fault; 28] = [
         Fault::None,
         Fault::OpBlockUnreadable,
         Fault::OpBlockUnaligned,
@@ -132,6 +136,7 @@ impl Fault {
         Fault::IncorrectLength,
         Fault::Aborted,
         Fault::NotAttached,
+        Fault::BusMasterOff,
     ];
 
     /// The numeric code stored in the status block.
@@ -169,7 +174,7 @@ impl Fault {
             | Fault::IdawCountInvalid
             | Fault::DataAddressInvalid => (ends, cstat::PROGRAM_CHECK),
             Fault::DataProtection => (ends, cstat::PROTECTION_CHECK),
-            Fault::PinFailed | Fault::Aborted | Fault::NotAttached => {
+            Fault::PinFailed | Fault::Aborted | Fault::NotAttached | Fault::BusMasterOff => {
                 (ends, cstat::CHANNEL_CONTROL_CHECK)
             }
             Fault::OutOfRange | Fault::ImageIo => (ends | dstat::UNIT_CHECK, 0),
@@ -288,5 +293,9 @@ mod tests {
         assert_eq!(Fault::DataProtection.status().1, cstat::PROTECTION_CHECK);
         assert_ne!(Fault::OutOfRange.status().0 & dstat::UNIT_CHECK, 0);
         assert_eq!(Fault::None.status(), (0x0c, 0));
+        assert_eq!(
+            Fault::BusMasterOff.status(),
+            (0x0c, cstat::CHANNEL_CONTROL_CHECK)
+        );
     }
 }

@@ -8,6 +8,7 @@
 //! pins), so that DMA unmap, reset and disconnect can abort it and wait until it holds no
 //! pins.
 
+use std::cell::Cell;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -184,11 +185,32 @@ pub struct Worker {
     pub max_ccws: usize,
 }
 
-struct DmaReader<'a>(&'a DmaHandle);
+/// Guest reads of the program walk; remembers whether a read was refused because Bus Master
+/// Enable is clear, so that the walk's "unreadable" fault can be reported as what it is.
+struct DmaReader<'a> {
+    dma: &'a DmaHandle,
+    bus_master_off: Cell<bool>,
+}
 
 impl GuestRead for DmaReader<'_> {
     fn read_guest(&self, addr: u64, buf: &mut [u8]) -> bool {
-        self.0.read(addr, buf).is_ok()
+        match self.dma.read(addr, buf) {
+            Ok(()) => true,
+            Err(DmaError::BusMasterDisabled { .. }) => {
+                self.bus_master_off.set(true);
+                false
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// The fault for a failed guest read: [`Fault::BusMasterOff`] if Bus Master Enable is clear,
+/// `otherwise` for any other DMA error.
+fn read_fault(e: &DmaError, otherwise: Fault) -> Fault {
+    match e {
+        DmaError::BusMasterDisabled { .. } => Fault::BusMasterOff,
+        _ => otherwise,
     }
 }
 
@@ -242,13 +264,13 @@ impl Worker {
             return lost(Fault::OpBlockUnaligned);
         }
         let mut raw = [0u8; OPB_SIZE];
-        if self.dma.read(opb_addr, &mut raw).is_err() {
-            return lost(Fault::OpBlockUnreadable);
+        if let Err(e) = self.dma.read(opb_addr, &mut raw) {
+            return lost(read_fault(&e, Fault::OpBlockUnreadable));
         }
         let opb = OperationBlock::from_bytes(&raw);
         let mut probe = [0u8; STATUS_BLOCK_SIZE];
-        if self.dma.read(opb.status, &mut probe).is_err() {
-            return lost(Fault::StatusBlockInvalid);
+        if let Err(e) = self.dma.read(opb.status, &mut probe) {
+            return lost(read_fault(&e, Fault::StatusBlockInvalid));
         }
         let status_addr = Some(opb.status);
         let ending = |done| Ending { done, status_addr };
@@ -263,10 +285,19 @@ impl Worker {
             start_offset: start,
             capacity: self.capacity,
         };
-        let program = match parse(&DmaReader(&self.dma), opb.program, &limits) {
+        let reader = DmaReader {
+            dma: &self.dma,
+            bus_master_off: Cell::new(false),
+        };
+        let program = match parse(&reader, opb.program, &limits) {
             Ok(p) => p,
             Err(e) => {
-                let mut done = fail(e.fault, e.ccw_addr, e.residual);
+                let fault = if reader.bus_master_off.get() {
+                    Fault::BusMasterOff
+                } else {
+                    e.fault
+                };
+                let mut done = fail(fault, e.ccw_addr, e.residual);
                 done.image_offset = start;
                 return ending(done);
             }
@@ -405,6 +436,7 @@ fn classify_dma_error(e: &DmaError) -> (Fault, Option<u64>) {
         }
         DmaError::Permission { iova, .. } => (Fault::DataProtection, Some(*iova)),
         DmaError::Overflow { .. } => (Fault::DataAddressInvalid, None),
+        DmaError::BusMasterDisabled { iova } => (Fault::BusMasterOff, Some(*iova)),
         _ => (Fault::PinFailed, None),
     }
 }
@@ -480,5 +512,7 @@ mod tests {
             limit: 2,
         };
         assert_eq!(classify_dma_error(&e), (Fault::PinFailed, None));
+        let e = DmaError::BusMasterDisabled { iova: 0x7000 };
+        assert_eq!(classify_dma_error(&e), (Fault::BusMasterOff, Some(0x7000)));
     }
 }

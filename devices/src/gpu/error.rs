@@ -12,11 +12,13 @@ pub const ERR_BAD_LENGTH: u32 = 2;
 pub const ERR_OUT_OF_BOUNDS: u32 = 3;
 /// `ERROR_CODE`: a drawing command arrived while no mode is enabled.
 pub const ERR_MODE_DISABLED: u32 = 4;
-/// `ERROR_CODE`: the ring memory could not be read (not mapped / not readable).
+/// `ERROR_CODE`: the ring memory could not be read (not mapped / not readable, or the guest
+/// has cleared Bus Master Enable, so the device may not read guest memory at all).
 pub const ERR_RING_FAULT: u32 = 5;
 /// `ERROR_CODE`: a surface uses a GTT entry without the VALID bit.
 pub const ERR_GTT_INVALID: u32 = 6;
-/// `ERROR_CODE`: a GTT-mapped page could not be pinned (not mapped, or not writable).
+/// `ERROR_CODE`: a GTT-mapped page could not be pinned (not mapped, not writable, or Bus
+/// Master Enable cleared after the command was fetched).
 pub const ERR_GTT_FAULT: u32 = 7;
 /// `ERROR_CODE`: READBACK into a GTT entry without the WRITABLE bit.
 pub const ERR_GTT_READONLY: u32 = 8;

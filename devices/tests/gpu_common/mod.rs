@@ -106,6 +106,12 @@ impl Rig {
         Rig { drv, space, ram }
     }
 
+    /// Memory space + Bus Master in the command register, as a guest driver does at probe
+    /// and again after a reset (which clears it; without it every ring fetch is refused).
+    pub fn enable_device(&mut self) {
+        self.config_write(4, &0x0006u16.to_le_bytes());
+    }
+
     pub fn adapter(&mut self) -> &mut PciAdapter<Gpu> {
         &mut self.drv.regs().0
     }

@@ -125,6 +125,17 @@ pub enum DmaError {
     /// The operation conflicts with the current state (EBUSY).
     #[error("busy: {0}")]
     Busy(&'static str),
+    /// Device DMA while the guest has Bus Master Enable clear in the PCI command register
+    /// (EACCES: the access itself is refused by the device's state, not by the mapping's
+    /// permission, which is EPERM).
+    #[error(
+        "device DMA at iova {iova:#x} refused: the guest has cleared Bus Master Enable in the \
+         PCI command register"
+    )]
+    BusMasterDisabled {
+        /// The first address of the refused access.
+        iova: u64,
+    },
 }
 
 impl DmaError {
@@ -148,6 +159,7 @@ impl DmaError {
             DmaError::NoMemory(_) => libc::ENOMEM,
             DmaError::InvalidArgument(_) => libc::EINVAL,
             DmaError::Busy(_) => libc::EBUSY,
+            DmaError::BusMasterDisabled { .. } => libc::EACCES,
         }
     }
 }
@@ -190,6 +202,10 @@ mod tests {
         assert_eq!(DmaError::TooManyMaps { limit: 1 }.errno(), libc::ENOSPC);
         assert_eq!(DmaError::NotPinned { pfn: 1 }.errno(), libc::EINVAL);
         assert_eq!(DmaError::Disconnected.errno(), libc::ENOTCONN);
+        assert_eq!(
+            DmaError::BusMasterDisabled { iova: 0x1000 }.errno(),
+            libc::EACCES
+        );
         let io = std::io::Error::from_raw_os_error(libc::EAGAIN);
         assert_eq!(
             DmaError::Residency {

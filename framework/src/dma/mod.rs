@@ -46,7 +46,21 @@
 //! force-releases them and replaces the range with private scratch memory that stays mapped
 //! for the life of the space, so a buggy device scribbles on scratch, never on freed or
 //! reused memory. See [`DmaHandle::pinned_slice`].
+//!
+//! # Bus Master
+//! A PCI device masters the bus only while the guest has Bus Master Enable (BME) set in its
+//! command register; drivers clear it on unbind, shutdown and kexec so the device stops
+//! touching memory. [`DmaSpace::set_bus_master`] is that switch (the PCI adapter drives it
+//! from the command register; a space starts enabled, so non-PCI users never see it). While
+//! it is clear every device DMA — `pin_pages`/`pin_range` (both paths), `read`/`write` and
+//! `read_obj`/`write_obj`, fd-backed or fd-less (no DMA_READ/DMA_WRITE is sent) — fails
+//! with [`DmaError::BusMasterDisabled`] (EACCES) before it looks at the map table; unpinning
+//! always works, so a device can release what it holds. Nothing is revoked: pins taken and
+//! copies started while BME was set stay valid and finish. The check is one relaxed load; a
+//! call that raced with the change may see either value.
 
+#[cfg(test)]
+mod bus_master_tests;
 mod coalesce;
 mod dirty;
 mod dirty_log;
@@ -62,7 +76,9 @@ mod rw;
 mod sigbus;
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed, Ordering::SeqCst,
+};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use arc_swap::ArcSwap;
@@ -228,6 +244,8 @@ pub struct DmaSpace {
     dirty_shift: AtomicU32,
     /// Mappings replaced by scratch memory after a device leaked pins (see module docs).
     graveyard: Mutex<Vec<HostMem>>,
+    /// Bus Master Enable: device DMA is refused while false (see module docs).
+    bus_master: AtomicBool,
 }
 
 fn policy_to_u8(p: PinPolicy) -> u8 {
@@ -262,6 +280,7 @@ impl DmaSpace {
             dirty_active: AtomicBool::new(false),
             dirty_shift: AtomicU32::new(PAGE_SHIFT),
             graveyard: Mutex::new(Vec::new()),
+            bus_master: AtomicBool::new(true),
         })
     }
 
@@ -404,6 +423,30 @@ impl DmaSpace {
         self.max_dma_maps.load(Relaxed)
     }
 
+    /// Set the Bus Master switch (PCI command register bit 2); returns the previous value.
+    /// While it is clear, device DMA (pins, `read`/`write`, fd-backed or fd-less) fails with
+    /// [`DmaError::BusMasterDisabled`]; unpinning still works; nothing already pinned or in
+    /// flight is revoked. A new space starts enabled.
+    pub fn set_bus_master(&self, enabled: bool) -> bool {
+        self.bus_master.swap(enabled, SeqCst)
+    }
+
+    /// True while device DMA is allowed (see [`DmaSpace::set_bus_master`]).
+    pub fn bus_master(&self) -> bool {
+        self.bus_master.load(Relaxed)
+    }
+
+    /// `Err(BusMasterDisabled)` while the Bus Master switch is clear; `iova` names the
+    /// access for the error (only evaluated then). One relaxed load on the hot path.
+    #[inline(always)]
+    fn check_bus_master(&self, iova: impl FnOnce() -> u64) -> Result<(), DmaError> {
+        if self.bus_master.load(Relaxed) {
+            Ok(())
+        } else {
+            Err(bus_master_refused(iova()))
+        }
+    }
+
     /// Verify the accounting by a full scan (for tests and debugging; O(pinned chunks)):
     /// per-region and global pinned/locked counters equal the flags in the pin tables, and
     /// under `Lock` locked pages equal pinned pages.
@@ -458,6 +501,14 @@ impl DmaSpace {
             }
         }
     }
+}
+
+/// The error of a DMA refused because Bus Master Enable is clear (out of the hot path).
+#[cold]
+#[inline(never)]
+fn bus_master_refused(iova: u64) -> DmaError {
+    tracing::debug!(iova, "device DMA refused: Bus Master Enable is clear");
+    DmaError::BusMasterDisabled { iova }
 }
 
 /// A device's handle to DMA: cheap to clone, `Send + Sync`, usable from worker threads. It
@@ -568,6 +619,13 @@ impl DmaHandle {
     /// Counters of the underlying space.
     pub fn stats(&self) -> DmaStats {
         self.space.stats()
+    }
+
+    /// True while the guest lets the device master the bus (see
+    /// [`DmaSpace::set_bus_master`]); DMA fails with [`DmaError::BusMasterDisabled`]
+    /// otherwise.
+    pub fn bus_master(&self) -> bool {
+        self.space.bus_master()
     }
 
     /// The space this handle belongs to.

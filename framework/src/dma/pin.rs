@@ -14,6 +14,9 @@
 //! array are handled because phase 1 sees each decrement in order and phase 2 releases each
 //! page once (its flags are cleared the first time).
 //!
+//! Both pin entry points refuse first if Bus Master Enable is clear (one relaxed load, see
+//! the module docs of [`super`]); the unpin paths never do.
+//!
 //! All of it runs under the space's pin lock (the analog of type1's `iommu->lock`), which
 //! orders pins against unmap's closing and forced release; lookups inside are lock-free.
 
@@ -42,6 +45,7 @@ impl DmaSpace {
             ));
         }
         check_pin_prot(prot)?;
+        self.check_bus_master(|| pfns.first().map_or(0, |&p| p << PAGE_SHIFT))?;
         if pfns.is_empty() {
             return Ok(());
         }
@@ -242,6 +246,7 @@ impl DmaSpace {
         prot: Prot,
     ) -> Result<u64, DmaError> {
         check_pin_prot(prot)?;
+        self.check_bus_master(|| iova_pfn << PAGE_SHIFT)?;
         let _pin = self.pin_lock();
         let table = self.table.load();
         let region = range_region(&table, iova_pfn, npages)?;

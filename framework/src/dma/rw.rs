@@ -13,6 +13,9 @@
 //! reply; a client that never answers is bounded by the remote DMA timeout.) Writes mark
 //! the written pages dirty after the copy.
 //!
+//! Both directions refuse before any lookup while Bus Master Enable is clear
+//! ([`DmaError::BusMasterDisabled`]; for fd-less regions no message is sent).
+//!
 //! On error a prefix of the transfer may have been done (like the kernel's `vfio_dma_rw`).
 
 use std::sync::Arc;
@@ -71,6 +74,7 @@ impl DmaSpace {
 
     /// Copy guest memory at `iova` into `buf`.
     pub(crate) fn read_impl(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        self.check_bus_master(|| iova)?;
         let len = buf.len();
         self.for_each_chunk(iova, len, Prot::READ, |region, cur, off, n| {
             let dst = &mut buf[off..off + n];
@@ -96,6 +100,7 @@ impl DmaSpace {
 
     /// Copy `data` into guest memory at `iova`.
     pub(crate) fn write_impl(&self, iova: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.check_bus_master(|| iova)?;
         self.for_each_chunk(iova, data.len(), Prot::WRITE, |region, cur, off, n| {
             let src = &data[off..off + n];
             if region.is_fdless() {

@@ -3,8 +3,14 @@
 //! The line fires its eventfd and masks itself; the client unmasks it (SET_IRQS UNMASK,
 //! sent by QEMU at the guest's EOI). A trigger while masked, or while the guest has set
 //! INTX_DISABLE in the command register, is remembered as pending and fires on unmask or
-//! enable. Lock-free: the mask flag doubles as the right to fire (taken with a
-//! compare-exchange), so concurrent triggers and unmasks fire once per pending edge.
+//! enable — exactly once, and not at all if the device lowered the line first
+//! ([`IntxState::lower`]). The status register's Interrupt Status bit
+//! ([`IntxState::status`]) reads 1 while a trigger is pending, or fired and not yet
+//! unmasked, so a guest polling with INTX_DISABLE set sees it. INTX_DISABLE never changes
+//! the interrupt mode (see [`IrqState::mode`](super::state::IrqState::mode)).
+//!
+//! Lock-free: the mask flag doubles as the right to fire (taken with a compare-exchange), so
+//! concurrent triggers and unmasks fire once per pending edge.
 
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 

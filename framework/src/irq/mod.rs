@@ -31,9 +31,12 @@ use state::IrqState;
 /// The interrupt mode the guest has enabled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IrqMode {
-    /// No interrupt delivery enabled.
+    /// No interrupt delivery possible: MSI and MSI-X are off and the device offers no INTx
+    /// (or the handle is detached).
     None,
-    /// Legacy INTx.
+    /// Legacy INTx: MSI and MSI-X are off. While the guest sets Interrupt Disable (command
+    /// bit 10) a trigger pends (the status register's Interrupt Status reads 1) and fires
+    /// when the bit is cleared, unless [`Interrupts::lower_intx`] withdrew it first.
     Intx,
     /// MSI.
     Msi,
@@ -132,7 +135,15 @@ mod tests {
         state.set_msix_control(false, false);
         state.set_msi_enabled(0);
         state.set_intx_disabled(true);
-        assert_eq!(irq.mode(), IrqMode::None);
+        assert_eq!(
+            irq.mode(),
+            IrqMode::Intx,
+            "Interrupt Disable holds INTx, it does not switch interrupts off"
+        );
+        assert_eq!(irq.enabled_vectors(), 1);
+        let no_intx = Interrupts::new(Arc::new(IrqState::new(false, 0, 0)));
+        assert_eq!(no_intx.mode(), IrqMode::None);
+        assert_eq!(no_intx.enabled_vectors(), 0);
     }
 
     #[test]

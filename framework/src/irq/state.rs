@@ -47,13 +47,17 @@ impl IrqState {
         ]
     }
 
-    /// What the guest enabled: MSI-X over MSI over INTx.
+    /// What the guest enabled: MSI-X over MSI over INTx. With MSI and MSI-X off the mode is
+    /// INTx whether or not the guest has set Interrupt Disable (command bit 10): as on PCI,
+    /// the device still asserts its line; INTX_DISABLE only keeps it from being signalled,
+    /// so a trigger then pends in [`IntxState`] (Interrupt Status reads 1) and is delivered
+    /// when the guest clears the bit, unless the device lowered the line meanwhile.
     pub(crate) fn mode(&self) -> IrqMode {
         if self.msix.enabled() > 0 {
             IrqMode::Msix
         } else if self.msi.enabled() > 0 {
             IrqMode::Msi
-        } else if self.intx.offered() && !self.intx.disabled() {
+        } else if self.intx.offered() {
             IrqMode::Intx
         } else {
             IrqMode::None

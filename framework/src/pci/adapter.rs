@@ -3,6 +3,11 @@
 //! The adapter owns config space (region 7), routes BAR accesses (shared memory, the MSI-X
 //! table and PBA, or the device), reports regions and IRQs, applies SET_IRQS and keeps the
 //! interrupt state that the device's [`Interrupts`] handle delivers through.
+//!
+//! It also drives the DMA space's Bus Master switch ([`DmaSpace::set_bus_master`]) from the
+//! command register's BUS_MASTER bit: at attach (the reset value, clear), after every config
+//! write and after reset, so a device whose guest cleared BME cannot touch guest memory, no
+//! matter how the device is written. A change is logged at info level once.
 
 use std::sync::Arc;
 
@@ -17,7 +22,7 @@ use crate::device::{
     SetIrqs, DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, IRQ_INFO_AUTOMASKED, IRQ_INFO_EVENTFD,
     IRQ_INFO_MASKABLE, IRQ_INFO_NORESIZE, REGION_FLAG_MMAP, REGION_FLAG_READ, REGION_FLAG_WRITE,
 };
-use crate::dma::DmaHandle;
+use crate::dma::{DmaHandle, DmaSpace};
 use crate::irq::state::IrqState;
 use crate::irq::Interrupts;
 
@@ -37,6 +42,9 @@ pub struct PciAdapter<D: PciDevice> {
     bars: [Option<Bar>; 6],
     msix_table: Option<MsixTable>,
     irq: Arc<IrqState>,
+    /// The DMA space the device got at attach; its Bus Master switch follows the command
+    /// register.
+    dma: Option<Arc<DmaSpace>>,
 }
 
 impl<D: PciDevice> std::fmt::Debug for PciAdapter<D> {
@@ -47,6 +55,14 @@ impl<D: PciDevice> std::fmt::Debug for PciAdapter<D> {
             .field("irq", &self.irq)
             .finish_non_exhaustive()
     }
+}
+
+/// What made the adapter re-read BUS_MASTER (for the log line of a change).
+#[derive(Clone, Copy, Debug)]
+enum BmeCause {
+    Attach,
+    ConfigWrite,
+    Reset,
 }
 
 fn invalid(msg: String) -> DeviceError {
@@ -93,6 +109,7 @@ impl<D: PciDevice> PciAdapter<D> {
             caps,
             bars,
             irq,
+            dma: None,
         })
     }
 
@@ -111,7 +128,7 @@ impl<D: PciDevice> PciAdapter<D> {
         Interrupts::new(self.irq.clone())
     }
 
-    /// True if the guest enabled bus mastering (devices should not DMA otherwise).
+    /// True if the guest enabled bus mastering (the DMA space refuses device DMA otherwise).
     pub fn bus_master_enabled(&self) -> bool {
         self.space.u16(reg::COMMAND) & command::BUS_MASTER != 0
     }
@@ -122,6 +139,22 @@ impl<D: PciDevice> PciAdapter<D> {
             .get(slot)
             .and_then(|b| b.as_ref())
             .map_or(0, |b| bar::address(&self.space, &b.spec))
+    }
+
+    /// Push the command register's BUS_MASTER bit into the DMA space's switch. A change
+    /// is logged once (info when the guest or a reset made it, debug at attach); writes that
+    /// leave the bit as it was log nothing.
+    fn sync_bus_master(&self, cause: BmeCause) {
+        let Some(dma) = &self.dma else { return };
+        let enabled = self.bus_master_enabled();
+        if dma.set_bus_master(enabled) == enabled {
+            return;
+        }
+        match (cause, enabled) {
+            (BmeCause::Attach, _) => tracing::debug!(enabled, "Bus Master Enable at attach"),
+            (_, true) => tracing::info!(?cause, "Bus Master Enable set: device DMA allowed"),
+            (_, false) => tracing::info!(?cause, "Bus Master Enable clear: device DMA refused"),
+        }
     }
 
     /// Push the guest-controlled interrupt bits of config space into the IRQ state.
@@ -305,6 +338,7 @@ impl<D: PciDevice> Device for PciAdapter<D> {
             region_index::CONFIG => {
                 self.space.write(offset, data)?;
                 tracing::trace!(offset, len = data.len(), "config write");
+                self.sync_bus_master(BmeCause::ConfigWrite);
                 self.sync_irq();
                 Ok(())
             }
@@ -312,7 +346,12 @@ impl<D: PciDevice> Device for PciAdapter<D> {
         }
     }
 
+    /// Hands the device its handles; from here on the DMA space's Bus Master switch follows
+    /// the command register (clear after reset, so a guest must set BUS_MASTER before the
+    /// device can DMA, as on real hardware).
     fn attach(&mut self, dma: DmaHandle) {
+        self.dma = Some(dma.space().clone());
+        self.sync_bus_master(BmeCause::Attach);
         self.dev.attach(dma, Interrupts::new(self.irq.clone()));
     }
 
@@ -320,10 +359,12 @@ impl<D: PciDevice> Device for PciAdapter<D> {
         self.irq.set_irqs(req)
     }
 
-    /// Config space back to its defaults, MSI-X table zeroed, interrupt state cleared
-    /// (eventfds stay attached, as VFIO keeps trigger fds), then the device's reset.
+    /// Config space back to its defaults (Bus Master off), MSI-X table zeroed, interrupt
+    /// state cleared (eventfds stay attached, as VFIO keeps trigger fds), then the device's
+    /// reset.
     fn reset(&mut self) -> Result<(), DeviceError> {
         self.space.reset();
+        self.sync_bus_master(BmeCause::Reset);
         if let Some(t) = self.msix_table.as_mut() {
             t.reset();
         }

@@ -119,7 +119,7 @@ fn test_msix_disabled_falls_back_to_msi_then_intx() {
     cfg_write(&mut a, MSI_CTL, 2, 0);
     assert_eq!(irq.mode(), IrqMode::Intx);
     cfg_write(&mut a, 0x04, 2, 0x0400);
-    assert_eq!(irq.mode(), IrqMode::None);
+    assert_eq!(irq.mode(), IrqMode::Intx, "Interrupt Disable holds INTx");
 }
 
 #[test]
@@ -178,11 +178,41 @@ fn test_intx_disable_bit_holds_interrupt_until_cleared() {
     let fds = attach_eventfds(&mut a, irq_index::INTX, 1);
     let irq = irq_of(&a);
     cfg_write(&mut a, 0x04, 2, 0x0400);
-    // In mode None nothing is delivered; INTx is only pending once INTx mode is active.
-    assert!(!irq.trigger(0));
+    assert!(!irq.trigger(0), "held while Interrupt Disable is set");
     assert!(!fired(&fds[0]));
+    assert_ne!(
+        cfg_read(&mut a, 0x06, 2) & 0x8,
+        0,
+        "Interrupt Status reads 1 while the line would be asserted"
+    );
+    cfg_write(&mut a, 0x04, 2, 0x0400);
+    assert!(!fired(&fds[0]), "rewriting the bit set delivers nothing");
     cfg_write(&mut a, 0x04, 2, 0);
-    assert!(irq.trigger(0));
+    assert!(
+        fired(&fds[0]),
+        "clearing Interrupt Disable delivers the held interrupt"
+    );
+    cfg_write(&mut a, 0x04, 2, 0);
+    assert!(!fired(&fds[0]), "exactly once");
+}
+
+#[test]
+fn test_intx_lowered_while_disabled_is_not_delivered_on_enable() {
+    let mut a = adapter(full_config());
+    let fds = attach_eventfds(&mut a, irq_index::INTX, 1);
+    let irq = irq_of(&a);
+    cfg_write(&mut a, 0x04, 2, 0x0400);
+    assert!(!irq.trigger(0));
+    assert_ne!(cfg_read(&mut a, 0x06, 2) & 0x8, 0, "pending");
+    irq.lower_intx();
+    assert_eq!(
+        cfg_read(&mut a, 0x06, 2) & 0x8,
+        0,
+        "the device lowered its line: Interrupt Status clear"
+    );
+    cfg_write(&mut a, 0x04, 2, 0);
+    assert!(!fired(&fds[0]), "a withdrawn interrupt is not delivered");
+    assert!(irq.trigger(0), "the line works normally afterwards");
     assert!(fired(&fds[0]));
 }
 

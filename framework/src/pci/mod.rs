@@ -53,6 +53,8 @@ mod shared_memory;
 mod validate;
 
 #[cfg(test)]
+mod adapter_bme_tests;
+#[cfg(test)]
 mod adapter_config_tests;
 #[cfg(test)]
 mod adapter_irq_tests;
