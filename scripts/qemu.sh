@@ -111,6 +111,11 @@ build_qemu() {
     say "built $QEMU_PREFIX/bin/qemu-system-x86_64"
 }
 
+# Firmware QEMU loads at run time (the QEMU built here is configured without its own blobs).
+ensure_firmware() {
+    apt_install seabios ipxe-qemu qemu-system-data
+}
+
 find_qemu() {
     if [ -n "${QEMU_BIN:-}" ]; then
         usable_qemu "$QEMU_BIN" && { printf '%s\n' "$QEMU_BIN"; return; }
@@ -120,6 +125,7 @@ find_qemu() {
     onpath=$(command -v qemu-system-x86_64 || true)
     if [ -n "$onpath" ] && usable_qemu "$onpath"; then printf '%s\n' "$onpath"; return; fi
     if usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64"; then
+        ensure_firmware
         printf '%s\n' "$QEMU_PREFIX/bin/qemu-system-x86_64"; return
     fi
     mkdir -p "$CACHE"
