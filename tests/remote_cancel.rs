@@ -113,7 +113,10 @@ fn test_gpu_reset_qemu_like_client_fetch_waiting_reply_fast_no_dma_read_after() 
         let id = vmm.c.send(Wire::DeviceReset as u16, 0, &[], &[]);
         let m = vmm.pump();
         let took = start.elapsed();
-        assert_eq!(m.header.msg_id, id, "round {round}: reply to another message");
+        assert_eq!(
+            m.header.msg_id, id,
+            "round {round}: reply to another message"
+        );
         assert!(
             !m.header.is_error(),
             "round {round}: DEVICE_RESET errno {}",
@@ -171,7 +174,10 @@ fn test_gpu_dma_unmap_fdless_ring_during_fetch_reply_fast_other_region_read_comp
     // QEMU's bottom half runs now: it answers the ring read (too late, dropped) and the
     // other read, which was not cancelled and completes.
     vmm.answer_deferred();
-    let data = other.join().unwrap().expect("DMA_READ of the other mapping");
+    let data = other
+        .join()
+        .unwrap()
+        .expect("DMA_READ of the other mapping");
     assert_eq!(data, vmm.mem[RING_SIZE as usize + 0x100..][..64].to_vec());
     // The worker's fetch failed: RING_FAULT at the head, as the GPU documents.
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -224,7 +230,11 @@ fn test_connection_thread_fdless_dma_client_waiting_fails_fast_posted_alone_work
     vmm.write32_posted(0, REG_DMA_OP, 1);
     vmm.serve_idle(FAST, |v| v.requests == 1);
     assert_eq!(vmm.requests, 1, "the device's DMA_READ never came");
-    assert_eq!(vmm.read32(0, REG_DMA_STATUS), 0, "DMA_STATUS after a posted write");
+    assert_eq!(
+        vmm.read32(0, REG_DMA_STATUS),
+        0,
+        "DMA_STATUS after a posted write"
+    );
     let got = vmm.c.region_read(0, DMA_SCRATCH, 32);
     assert_eq!(got, vmm.mem[0x10..0x30].to_vec());
 

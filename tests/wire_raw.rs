@@ -35,7 +35,10 @@ fn map_fdless(c: &mut RawClient, iova: u64, size: u64) {
 fn write_reg_posted_serving(c: &mut RawClient, off: u64, data: &[u8], mem: &mut GuestMem) {
     c.region_write(0, off, data, FLAGS_NO_REPLY);
     let m = c.recv();
-    assert!(RawClient::serve_on(&c.stream, &m, mem), "expected a DMA request");
+    assert!(
+        RawClient::serve_on(&c.stream, &m, mem),
+        "expected a DMA request"
+    );
     c.region_read(0, REG_DMA_STATUS, 4);
 }
 

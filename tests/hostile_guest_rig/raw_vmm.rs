@@ -172,8 +172,12 @@ impl RawVmm {
 
     /// A posted 32-bit register write (No_reply, as QEMU sends MMIO writes): nobody waits.
     pub fn write32_posted(&mut self, region: u32, off: u64, v: u32) {
-        self.c
-            .region_write(region, off, &v.to_le_bytes(), umdev::protocol::FLAGS_NO_REPLY);
+        self.c.region_write(
+            region,
+            off,
+            &v.to_le_bytes(),
+            umdev::protocol::FLAGS_NO_REPLY,
+        );
     }
 
     /// DMA_MAP read-write, with an fd or fd-less; the errno.

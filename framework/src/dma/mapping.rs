@@ -176,7 +176,10 @@ impl DmaSpace {
         // 5. Wait for in-flight accesses (cancelling the fd-less pieces waiting for the
         //    client), then release the memory.
         let remote = if regions.iter().any(|r| r.is_fdless()) {
-            self.remote.read().unwrap_or_else(|e| e.into_inner()).clone()
+            self.remote
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
         } else {
             None
         };
@@ -277,13 +280,21 @@ mod tests {
             let deadline = Instant::now() + Duration::from_secs(5);
             loop {
                 match w[i].2 {
-                    Some(true) => return Err(DmaError::Remote { iova, errno: libc::ECANCELED }),
+                    Some(true) => {
+                        return Err(DmaError::Remote {
+                            iova,
+                            errno: libc::ECANCELED,
+                        })
+                    }
                     Some(false) => return Ok(()),
                     None => {}
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Err(DmaError::Remote { iova, errno: libc::ETIMEDOUT });
+                    return Err(DmaError::Remote {
+                        iova,
+                        errno: libc::ETIMEDOUT,
+                    });
                 }
                 w = self.changed.wait_timeout(w, left).unwrap().0;
             }
@@ -354,10 +365,16 @@ mod tests {
         let start = Instant::now();
         let report = space.unmap(0x10000, 0x4000, &mut |_, _| {}).unwrap();
         assert_eq!(report.maps_removed, 1);
-        assert!(start.elapsed() < Duration::from_secs(2), "unmap waited for the client");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "unmap waited for the client"
+        );
         let e = doomed.join().unwrap().unwrap_err();
         assert_eq!(e.errno(), libc::ECANCELED, "{e:?}");
-        assert!(remote.waiting_at(0x21000), "the other region's request was cancelled");
+        assert!(
+            remote.waiting_at(0x21000),
+            "the other region's request was cancelled"
+        );
         remote.answer_all();
         assert!(other.join().unwrap().is_ok());
     }
@@ -383,7 +400,10 @@ mod tests {
             std::thread::sleep(Duration::from_micros(100));
             let start = Instant::now();
             space.unmap(0x10000, 0x4000, &mut |_, _| {}).unwrap();
-            assert!(start.elapsed() < Duration::from_secs(2), "unmap waited for the client");
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "unmap waited for the client"
+            );
             for r in readers {
                 r.join().unwrap();
             }

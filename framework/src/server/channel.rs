@@ -235,7 +235,11 @@ struct Pending {
 impl Pending {
     /// Register a requester; its message id is the next value of a wrapping counter that
     /// is neither pending nor a remembered cancelled id.
-    fn insert(&mut self, tx: Sender<Delivery>, target: Option<(u64, u64)>) -> Result<u16, RequestError> {
+    fn insert(
+        &mut self,
+        tx: Sender<Delivery>,
+        target: Option<(u64, u64)>,
+    ) -> Result<u16, RequestError> {
         if self.holds > 0 {
             return Err(RequestError::Cancelled(self.hold_reason));
         }
@@ -429,7 +433,11 @@ impl Channel {
         drop(lock(&self.writer));
         drop(lock(&self.twin));
         if n > 0 {
-            debug!(cancelled = n, reason = why, "server-to-client requests cancelled");
+            debug!(
+                cancelled = n,
+                reason = why,
+                "server-to-client requests cancelled"
+            );
         }
         RequestHold { chan: self.clone() }
     }
@@ -886,9 +894,11 @@ mod tests {
             let threads: Vec<_> = (0..4)
                 .map(|_| {
                     let c = chan.clone();
-                    std::thread::spawn(move || {
-                        while c.request(Command::DmaRead, &[0; 16]).is_ok() {}
-                    })
+                    std::thread::spawn(
+                        move || {
+                            while c.request(Command::DmaRead, &[0; 16]).is_ok() {}
+                        },
+                    )
                 })
                 .collect();
             std::thread::sleep(Duration::from_micros(200));
