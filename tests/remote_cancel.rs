@@ -6,9 +6,10 @@
 //! a request that arrives while it waits for a reply is answered after that reply), and
 //! the server's remote DMA timeout is QEMU's 5 s. Each test asserts that the reply comes
 //! well before that: a DEVICE_RESET while the GPU worker waits in a DMA_READ of an fd-less
-//! ring, a DMA_UNMAP of that ring (while a DMA_READ to another fd-less mapping waits too,
-//! and must still complete), and fd-less DMA done on the connection thread by a region
-//! handler while the client waits for a reply.
+//! ring (and while the ccw worker waits in the read of its operation block), a DMA_UNMAP
+//! of that ring (while a DMA_READ to another fd-less mapping waits too, and must still
+//! complete), and fd-less DMA done on the connection thread by a region handler while the
+//! client waits for a reply.
 
 mod common;
 #[path = "hostile_guest_rig/raw_vmm.rs"]
@@ -25,6 +26,7 @@ use umdev::device::region_index;
 use umdev::dma::DmaConfig;
 use umdev::protocol::dma_map::DmaUnmapRequest;
 use umdev::protocol::Command as Wire;
+use umdev_devices::ccw::{regs as ccw_regs, Ccw, CcwConfig};
 use umdev_devices::gpu::error::ERR_RING_FAULT;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -192,6 +194,60 @@ fn test_gpu_dma_unmap_fdless_ring_during_fetch_reply_fast_other_region_read_comp
             .all(|&(_, iova, _)| !(RING_GPA..OTHER_GPA).contains(&iova)),
         "requests to the unmapped ring after the reply: {after:x?}"
     );
+}
+
+#[test]
+fn test_ccw_reset_qemu_like_client_opb_read_waiting_reply_fast_no_trace_after() {
+    const RAM: u64 = 0x40_0000;
+    let dir = tempfile::tempdir().unwrap();
+    let ccw = Ccw::new(CcwConfig::new(dir.path().join("ccw.img")).with_capacity(64)).unwrap();
+    let served = Served::start(ccw, DmaConfig::default(), dir, |c| {
+        c.remote_dma_timeout = QEMU_TIMEOUT
+    });
+    let c = common::RawClient::new_default(&served.path);
+    let mut vmm = RawVmm::new(c, RAM, 0x4000).qemu_like();
+    assert_eq!(vmm.map(RAM, 0x4000, None), 0);
+    for round in 1..=5 {
+        vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+        vmm.write32(BAR, ccw_regs::OPB_ADDR_LO, RAM as u32);
+        vmm.write32(BAR, ccw_regs::OPB_ADDR_HI, 0);
+        // START, posted; the worker's read of the operation block waits for the client.
+        vmm.write32_posted(BAR, ccw_regs::START, 1);
+        let (cmd, iova, _) = vmm.hold_request();
+        assert_eq!((cmd, iova), (Wire::DmaRead as u16, RAM), "round {round}");
+        let start = Instant::now();
+        let m = vmm.call(Wire::DeviceReset, &[], &[]);
+        let took = start.elapsed();
+        assert!(
+            !m.header.is_error(),
+            "round {round}: DEVICE_RESET errno {}",
+            m.header.error
+        );
+        assert!(
+            took < FAST,
+            "round {round}: the DEVICE_RESET reply took {took:?} (the worker was waited for)"
+        );
+        // Counted on arrival: all of these came before the reply (`call` answered them
+        // after it, as QEMU would).
+        let at_reply = vmm.requests;
+        let after = requests_after(&mut vmm, at_reply);
+        assert!(
+            after.is_empty(),
+            "round {round}: requests after the reply: {after:x?}"
+        );
+        for (reg, name) in [
+            (ccw_regs::STATUS, "STATUS"),
+            (ccw_regs::IRQ_STATUS, "IRQ_STATUS"),
+            (ccw_regs::LAST_STATUS, "LAST_STATUS"),
+            (ccw_regs::COMPLETED, "COMPLETED"),
+        ] {
+            assert_eq!(
+                vmm.read32(BAR, reg),
+                0,
+                "round {round}: {name} after the reset"
+            );
+        }
+    }
 }
 
 const FDLESS: u64 = 0x40_0000;

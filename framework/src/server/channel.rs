@@ -419,8 +419,9 @@ impl Channel {
     /// sent while the hold lives: a reply sent under the hold is the last thing the client
     /// receives about them. Use it around anything that makes a reply wait for the device
     /// to stop (DEVICE_RESET; migration's STOP), so that a device thread blocked on the
-    /// client cannot delay the reply. Takes the socket locks: do not call it while a send
-    /// of this thread is in progress (it cannot be: sends do not call out).
+    /// client cannot delay the reply. It takes each socket lock briefly (the barrier): a
+    /// sender blocked on a client that stops reading delays it, as it would delay the reply
+    /// anyway.
     pub fn hold_requests(self: &Arc<Self>, why: &'static str) -> RequestHold {
         let n = {
             let mut p = lock(&self.pending);
