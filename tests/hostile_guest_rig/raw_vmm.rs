@@ -1,9 +1,16 @@
 //! A raw-client VMM that serves the device's DMA_READ/DMA_WRITE requests for one fd-less
 //! mapping from its own buffer, honestly, with error replies, or not at all. Needs the
 //! including test crate to declare `mod common;` (tests/common).
+//!
+//! With `defer` set it behaves like QEMU 10.x: QEMU serves server requests in a bottom half
+//! of its main loop, and the thread that waits for one of its commands' replies holds that
+//! loop, so a request that arrives while a call waits is answered only after the reply
+//! (then all of them, in arrival order); between calls it answers as they come
+//! ([`RawVmm::serve_idle`]).
 #![allow(dead_code)]
 
 use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
 
 use crate::common::raw_client::{Msg, RawClient};
 use umdev::protocol::dma_map::DmaMapRequest;
@@ -31,6 +38,10 @@ pub struct RawVmm {
     pub requests: u32,
     /// Every request received, as (command, iova, count), in arrival order.
     pub log: Vec<(u16, u64, u64)>,
+    /// Answer requests that arrive during a call only after its reply (like QEMU).
+    pub defer: bool,
+    /// Requests received and not answered yet (`defer`, or [`RawVmm::hold_request`]).
+    pub deferred: Vec<Msg>,
 }
 
 impl RawVmm {
@@ -42,7 +53,20 @@ impl RawVmm {
             base,
             requests: 0,
             log: Vec::new(),
+            defer: false,
+            deferred: Vec::new(),
         }
+    }
+
+    /// Like QEMU: requests that arrive during a call are answered after its reply.
+    pub fn qemu_like(mut self) -> RawVmm {
+        self.defer = true;
+        // Long enough to see a server that makes a reply wait for a 5 s remote timeout.
+        self.c
+            .stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
+        self
     }
 
     /// Read messages, serving device requests, until the reply to our command arrives.
@@ -52,33 +76,108 @@ impl RawVmm {
             if m.header.flags & FLAGS_TYPE_MASK != FLAGS_TYPE_COMMAND {
                 return m;
             }
-            let (iova, count, data) = dma_rw::decode_dma_rw_request(&m.payload).unwrap();
-            let off = (iova - self.base) as usize;
-            let count = count as usize;
-            self.requests += 1;
-            self.log.push((m.header.command, iova, count as u64));
-            match self.answer {
-                Answer::Silent => {}
-                Answer::Errors => self.c.reply_error(&m.header, libc::EFAULT),
-                Answer::Honest if m.header.command == Command::DmaRead as u16 => {
-                    let mut p = dma_rw::encode_dma_read(iova, count as u64);
-                    p.extend_from_slice(&self.mem[off..off + count]);
-                    self.c.reply(&m.header, &p);
-                }
-                Answer::Honest => {
-                    self.mem[off..off + count].copy_from_slice(data);
-                    self.c.reply(&m.header, &[]);
-                }
+            self.note(&m);
+            if self.defer {
+                self.deferred.push(m);
+            } else {
+                self.answer_one(&m);
             }
         }
     }
 
-    /// Send a command, serve requests meanwhile, return its reply.
+    /// Count and log a request from the device.
+    fn note(&mut self, m: &Msg) {
+        let (iova, count, _) = dma_rw::decode_dma_rw_request(&m.payload).unwrap();
+        self.requests += 1;
+        self.log.push((m.header.command, iova, count));
+    }
+
+    /// Receive the next message, which must be a request from the device, and leave it
+    /// unanswered in `deferred` (answered by the next call, after its reply, or by
+    /// [`RawVmm::answer_deferred`]). Returns (command, iova, count).
+    pub fn hold_request(&mut self) -> (u16, u64, u64) {
+        let m = self.c.recv();
+        assert_eq!(
+            m.header.flags & FLAGS_TYPE_MASK,
+            FLAGS_TYPE_COMMAND,
+            "expected a request from the device, got a reply to {}",
+            m.header.msg_id
+        );
+        self.note(&m);
+        self.deferred.push(m);
+        *self.log.last().unwrap()
+    }
+
+    /// Answer every deferred request, oldest first.
+    pub fn answer_deferred(&mut self) {
+        for m in std::mem::take(&mut self.deferred) {
+            self.answer_one(&m);
+        }
+    }
+
+    /// Idle main loop: answer requests as they arrive, for `d` or until `done` holds.
+    pub fn serve_idle(&mut self, d: Duration, mut done: impl FnMut(&RawVmm) -> bool) {
+        let deadline = Instant::now() + d;
+        while !done(self) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            if !umdev::server::socket_io::wait_readable(&self.c.stream, left).unwrap() {
+                return;
+            }
+            let m = self.c.recv();
+            assert_eq!(
+                m.header.flags & FLAGS_TYPE_MASK,
+                FLAGS_TYPE_COMMAND,
+                "unexpected reply to {} while idle",
+                m.header.msg_id
+            );
+            self.note(&m);
+            self.answer_one(&m);
+        }
+    }
+
+    /// Answer one request per `answer`.
+    fn answer_one(&mut self, m: &Msg) {
+        let (iova, count, data) = dma_rw::decode_dma_rw_request(&m.payload).unwrap();
+        let off = (iova - self.base) as usize;
+        let count = count as usize;
+        match self.answer {
+            Answer::Silent => {}
+            Answer::Errors => self.c.reply_error(&m.header, libc::EFAULT),
+            Answer::Honest if m.header.command == Command::DmaRead as u16 => {
+                let mut p = dma_rw::encode_dma_read(iova, count as u64);
+                p.extend_from_slice(&self.mem[off..off + count]);
+                self.c.reply(&m.header, &p);
+            }
+            Answer::Honest => {
+                self.mem[off..off + count].copy_from_slice(data);
+                self.c.reply(&m.header, &[]);
+            }
+        }
+    }
+
+    /// Send a command, serve requests meanwhile (after the reply with `defer`), return its
+    /// reply.
     pub fn call(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Msg {
         let id = self.c.send(cmd as u16, 0, payload, fds);
         let m = self.pump();
         assert_eq!(m.header.msg_id, id, "reply to another message");
+        if self.defer {
+            self.answer_deferred();
+        }
         m
+    }
+
+    /// A posted 32-bit register write (No_reply, as QEMU sends MMIO writes): nobody waits.
+    pub fn write32_posted(&mut self, region: u32, off: u64, v: u32) {
+        self.c.region_write(
+            region,
+            off,
+            &v.to_le_bytes(),
+            umdev::protocol::FLAGS_NO_REPLY,
+        );
     }
 
     /// DMA_MAP read-write, with an fd or fd-less; the errno.

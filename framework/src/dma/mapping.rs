@@ -2,6 +2,13 @@
 //! removes, and the unmap protocol (close → notify → verify and force-release → unpublish →
 //! drain in-flight → release memory).
 //!
+//! Draining an fd-less mapping cancels its DMA_READ/DMA_WRITE pieces that wait for the
+//! client (`RemoteDma::cancel`, repeated until the in-flight count is 0): the client may be
+//! one that answers no request while it waits for the DMA_UNMAP reply (QEMU), and DMA to
+//! memory that is going away has to fail anyway. The device sees ECANCELED for such a
+//! piece, EFAULT (not mapped) for one that starts after; requests to other mappings are
+//! left alone.
+//!
 //! Which mappings go (type1v2, see the `dma` module docs): for a range `[first, last]`
 //! (inclusive, so it may end at 2^64), first look for a mapping the range splits (the one
 //! containing `first` if it starts before it, the one containing `last` if it ends after it);
@@ -166,9 +173,23 @@ impl DmaSpace {
         };
         debug_assert_eq!(new.len() + regions.len(), table.len());
         self.table.store(Arc::new(new));
-        // 5. Wait for in-flight accesses, then release the memory.
+        // 5. Wait for in-flight accesses (cancelling the fd-less pieces waiting for the
+        //    client), then release the memory.
+        let remote = if regions.iter().any(|r| r.is_fdless()) {
+            self.remote
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        } else {
+            None
+        };
         for (r, &left) in regions.iter().zip(&leftovers) {
-            r.remove_and_drain();
+            match &remote {
+                Some(remote) if r.is_fdless() => {
+                    r.remove_and_drain_cancelling(|| remote.cancel(r.iova, r.size))
+                }
+                _ => r.remove_and_drain(),
+            }
             let mem = r.mem.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(mem) = mem {
                 if left > 0 {
@@ -232,4 +253,160 @@ fn map_fd(
         ));
     }
     HostMem::map_fd(fd.as_fd(), len, offset, prot).map_err(DmaError::Mmap)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Condvar, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::super::{DmaConfig, Prot, RemoteDma};
+    use super::*;
+
+    /// A client that answers nothing: every request waits until `cancel` covers it (then
+    /// ECANCELED) or `answer_all` (then Ok), at most 5 s (then ETIMEDOUT).
+    #[derive(Default)]
+    struct Unanswering {
+        /// (first byte, last byte, outcome: None = waiting, Some(cancelled?)).
+        waiting: Mutex<Vec<(u64, u64, Option<bool>)>>,
+        changed: Condvar,
+    }
+
+    impl Unanswering {
+        fn wait(&self, iova: u64, len: usize) -> Result<(), DmaError> {
+            let mut w = self.waiting.lock().unwrap();
+            w.push((iova, iova + len as u64 - 1, None));
+            let i = w.len() - 1;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                match w[i].2 {
+                    Some(true) => {
+                        return Err(DmaError::Remote {
+                            iova,
+                            errno: libc::ECANCELED,
+                        })
+                    }
+                    Some(false) => return Ok(()),
+                    None => {}
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(DmaError::Remote {
+                        iova,
+                        errno: libc::ETIMEDOUT,
+                    });
+                }
+                w = self.changed.wait_timeout(w, left).unwrap().0;
+            }
+        }
+
+        fn waiting_at(&self, iova: u64) -> bool {
+            let w = self.waiting.lock().unwrap();
+            w.iter().any(|&(f, _, o)| f == iova && o.is_none())
+        }
+
+        fn answer_all(&self) {
+            for e in self.waiting.lock().unwrap().iter_mut() {
+                e.2.get_or_insert(false);
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    impl RemoteDma for Unanswering {
+        fn dma_read(&self, iova: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+            self.wait(iova, buf.len())
+        }
+        fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), DmaError> {
+            self.wait(iova, data.len())
+        }
+        fn max_xfer(&self) -> usize {
+            4096
+        }
+        fn cancel(&self, iova: u64, size: u64) {
+            let last = iova + size - 1;
+            for e in self.waiting.lock().unwrap().iter_mut() {
+                if e.0 <= last && iova <= e.1 && e.2.is_none() {
+                    e.2 = Some(true);
+                }
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    fn map_fdless(space: &DmaSpace, iova: u64, size: u64) {
+        space
+            .map(DmaMapping {
+                iova,
+                size,
+                prot: Prot::RW,
+                fd: None,
+                offset: 0,
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn test_unmap_fdless_cancels_waiting_piece_leaves_other_region_alone() {
+        let space = DmaSpace::new(DmaConfig::default());
+        let remote = Arc::new(Unanswering::default());
+        space.set_remote(Some(remote.clone()));
+        map_fdless(&space, 0x10000, 0x4000);
+        map_fdless(&space, 0x20000, 0x4000);
+        let reader = |iova: u64| {
+            let h = space.handle();
+            std::thread::spawn(move || h.read(iova, &mut [0u8; 64]))
+        };
+        let doomed = reader(0x11000);
+        let other = reader(0x21000);
+        while !(remote.waiting_at(0x11000) && remote.waiting_at(0x21000)) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let start = Instant::now();
+        let report = space.unmap(0x10000, 0x4000, &mut |_, _| {}).unwrap();
+        assert_eq!(report.maps_removed, 1);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "unmap waited for the client"
+        );
+        let e = doomed.join().unwrap().unwrap_err();
+        assert_eq!(e.errno(), libc::ECANCELED, "{e:?}");
+        assert!(
+            remote.waiting_at(0x21000),
+            "the other region's request was cancelled"
+        );
+        remote.answer_all();
+        assert!(other.join().unwrap().is_ok());
+    }
+
+    #[test]
+    fn test_unmap_fdless_racing_readers_all_cancelled_none_waits_for_timeout() {
+        // Readers enter the region just before it is removed and register their request
+        // just after a cancel pass: the drain loop's later passes must catch them.
+        let space = DmaSpace::new(DmaConfig::default());
+        let remote = Arc::new(Unanswering::default());
+        space.set_remote(Some(remote.clone()));
+        for _ in 0..40 {
+            map_fdless(&space, 0x10000, 0x4000);
+            let readers: Vec<_> = (0..3)
+                .map(|k| {
+                    let h = space.handle();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16];
+                        while h.read(0x10000 + k * 0x1000, &mut buf).is_ok() {}
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_micros(100));
+            let start = Instant::now();
+            space.unmap(0x10000, 0x4000, &mut |_, _| {}).unwrap();
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "unmap waited for the client"
+            );
+            for r in readers {
+                r.join().unwrap();
+            }
+        }
+    }
 }

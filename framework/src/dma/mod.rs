@@ -183,6 +183,15 @@ pub trait RemoteDma: Send + Sync {
     fn dma_write(&self, iova: u64, data: &[u8]) -> Result<(), DmaError>;
     /// Negotiated max_data_xfer_size.
     fn max_xfer(&self) -> usize;
+    /// Fail at once the requests in flight that target `[iova, iova + size)`, so that
+    /// their `dma_read`/`dma_write` return `DmaError::Remote` with errno ECANCELED instead
+    /// of waiting for the client. DMA_UNMAP calls it for a removed fd-less mapping, again
+    /// and again until the mapping's in-flight accesses have drained (a request that
+    /// starts just after one call is caught by the next); it must not block. The default
+    /// cancels nothing (the unmap then waits for the client, or the remote timeout).
+    fn cancel(&self, iova: u64, size: u64) {
+        let _ = (iova, size);
+    }
 }
 
 /// Counters of a [`DmaSpace`].

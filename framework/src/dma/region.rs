@@ -215,15 +215,28 @@ impl Region {
 
     /// Mark removed and wait until no access is in flight (pairs with [`Region::enter`]).
     pub(crate) fn remove_and_drain(&self) {
+        self.remove_and_drain_cancelling(|| {});
+    }
+
+    /// As [`Region::remove_and_drain`], calling `cancel` while accesses are still in
+    /// flight: once before the first wait, then before every sleep. For an fd-less region
+    /// it fails the DMA_READ/DMA_WRITE pieces waiting for the client (`RemoteDma::cancel`);
+    /// a piece that entered before `removed` was set but registered its request after a
+    /// call is caught by a later call, since the loop only ends when the count is 0.
+    pub(crate) fn remove_and_drain_cancelling(&self, mut cancel: impl FnMut()) {
         self.removed.store(true, SeqCst);
         let mut spins = 0u32;
         while self.inflight.load(SeqCst) != 0 {
             spins = spins.saturating_add(1);
+            if spins == 1 {
+                cancel();
+            }
             if spins < 64 {
                 std::hint::spin_loop();
             } else if spins < 1024 {
                 std::thread::yield_now();
             } else {
+                cancel();
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
         }

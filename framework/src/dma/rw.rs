@@ -8,10 +8,10 @@
 //! the client as DMA_READ/DMA_WRITE in pieces of at most the negotiated max_data_xfer_size,
 //! each piece counted in flight too: unmap waits for the piece on the wire and no piece is
 //! sent for a region once unmap has removed it, so the client never gets a request for a
-//! range after its DMA_UNMAP reply. (Waiting cannot deadlock: while the connection thread
-//! runs unmap it does not hold the socket's read side, so the requester reads its own
-//! reply; a client that never answers is bounded by the remote DMA timeout.) Writes mark
-//! the written pages dirty after the copy.
+//! range after its DMA_UNMAP reply. (Waiting cannot deadlock: unmap cancels the pieces in
+//! flight to the removed mappings through `RemoteDma::cancel`, see `mapping.rs`, so it
+//! does not wait for a client that answers nothing until it has the unmap reply.) Writes
+//! mark the written pages dirty after the copy.
 //!
 //! Both directions refuse before any lookup while Bus Master Enable is clear
 //! ([`DmaError::BusMasterDisabled`]; for fd-less regions no message is sent).

@@ -10,16 +10,48 @@
 //! connection thread holds the read side only while it waits for the next message, never
 //! while it calls the device, so a requester (including the device on the connection
 //! thread itself) can always take over reading while it waits for its reply.
+//!
+//! # When the server may wait for the client, and cancelling
+//!
+//! QEMU (10.x) answers server→client requests in a bottom half of its main loop, and the
+//! thread that waits for one of our replies holds that loop (the BQL): while QEMU waits for
+//! *any* reply, it answers no DMA_READ/DMA_WRITE. A reply of ours that waits for such a
+//! request therefore waits for the remote timeout, and QEMU drops a reply later than its
+//! own `x-msg-timeout` (5 s). Rule: **no reply waits for a server→client request** (see
+//! `protocol-docs/server-dma.md`). The tools:
+//!
+//! - [`Channel::hold_requests`] fails every pending request with
+//!   [`RequestError::Cancelled`] and refuses new ones until the returned [`RequestHold`] is
+//!   dropped (DEVICE_RESET around the device's reset; migration's STOP can keep one from
+//!   STOP until the device runs again). The refusal is checked under the pending-table
+//!   lock, and a request is registered and sent as one step under the lock of the socket
+//!   it goes out on, so when `hold_requests` returns, every request registered before it
+//!   is on the wire and failed, and none can follow: nothing reaches the client after the
+//!   reply that ends the hold.
+//! - [`Channel::cancel_range`] fails the pending requests whose target overlaps a range
+//!   (DMA_UNMAP of fd-less mappings). It does not refuse later requests: the DMA layer
+//!   stops new accesses to the range itself and calls it again until the range's in-flight
+//!   count drains, which catches a request registered just after a pass.
+//! - A request issued from the connection thread itself (a device doing fd-less DMA in a
+//!   region handler) fails at once with [`RequestError::WouldDeadlock`] if the client
+//!   waits for a reply from that thread: the message being handled expects one, or a
+//!   command expecting one is backlogged (it may arrive while the request waits, which
+//!   then fails). Only the single-socket mode: a twin-socket client has a reader for
+//!   requests of its own.
+//!
+//! A cancelled request's id is remembered (a bounded list) and not reused while
+//! remembered, so the client's late reply to it is dropped quietly; a reply matching no
+//! id at all is dropped with a warning.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
-use std::collections::HashMap;
 use tracing::{debug, warn};
 
 use super::socket_io::{
@@ -110,6 +142,20 @@ enum Backlogged {
     Invalid(Header, ProtocolError),
 }
 
+impl Backlogged {
+    /// True if its sender waits for a reply from the connection thread (an error reply,
+    /// for an invalid message that is not itself a reply).
+    fn awaits_reply(&self) -> bool {
+        let h = match self {
+            Backlogged::Command(m) => &m.header,
+            Backlogged::Invalid(h, _) => h,
+        };
+        let is_reply =
+            h.flags & crate::protocol::FLAGS_TYPE_MASK == crate::protocol::FLAGS_TYPE_REPLY;
+        !h.no_reply() && !is_reply
+    }
+}
+
 /// The read side of the main socket.
 #[derive(Debug)]
 pub struct ReadSide {
@@ -136,40 +182,149 @@ pub enum RequestError {
     /// The reply is malformed.
     #[error("bad reply: {0}")]
     BadReply(ProtocolError),
+    /// The server cancelled the request before its reply arrived, or refused it (the
+    /// reason says why: a DEVICE_RESET in progress, a DMA_UNMAP of the range it targets).
+    #[error("cancelled: {0}")]
+    Cancelled(&'static str),
+    /// Issued from the connection thread while the client waits for a reply from that
+    /// thread: a client such as QEMU answers no request until it has that reply.
+    #[error(
+        "the client waits for a reply from the connection thread and cannot answer this \
+         request before it; do DMA to fd-less memory on a worker thread, not in a region \
+         handler (or give the client fd-backed memory)"
+    )]
+    WouldDeadlock,
 }
 
 /// Most server→client requests in flight at once.
 const MAX_IN_FLIGHT: usize = 4096;
 
+/// Most ids of cancelled requests remembered (their late replies are dropped quietly).
+const MAX_CANCELLED: usize = 4096;
+
+/// What a requester's channel delivers.
+#[derive(Debug)]
+enum Delivery {
+    Reply(Incoming),
+    Cancelled(&'static str),
+}
+
+/// One waiting requester.
+#[derive(Debug)]
+struct Waiter {
+    tx: Sender<Delivery>,
+    /// Guest addresses the request targets, `[first, last]` (inclusive), if any.
+    target: Option<(u64, u64)>,
+}
+
 /// Pending server→client requests by message id.
 #[derive(Debug, Default)]
 struct Pending {
-    waiting: HashMap<u16, Sender<Incoming>>,
+    waiting: HashMap<u16, Waiter>,
     next_id: u16,
+    /// Ids of cancelled requests whose late reply may still come, oldest first; not
+    /// reused while listed.
+    cancelled: VecDeque<u16>,
+    cancelled_set: HashSet<u16>,
+    /// Live [`RequestHold`]s: while non-zero, new requests are refused.
+    holds: u32,
+    /// Why requests are held (the latest hold's reason).
+    hold_reason: &'static str,
 }
 
 impl Pending {
-    /// Register a requester; its message id is the next unused value of a wrapping counter.
-    fn insert(&mut self, tx: Sender<Incoming>) -> Option<u16> {
-        if self.waiting.len() >= MAX_IN_FLIGHT {
-            return None;
+    /// Register a requester; its message id is the next value of a wrapping counter that
+    /// is neither pending nor a remembered cancelled id.
+    fn insert(
+        &mut self,
+        tx: Sender<Delivery>,
+        target: Option<(u64, u64)>,
+    ) -> Result<u16, RequestError> {
+        if self.holds > 0 {
+            return Err(RequestError::Cancelled(self.hold_reason));
         }
+        if self.waiting.len() >= MAX_IN_FLIGHT {
+            return Err(RequestError::Busy);
+        }
+        // At most MAX_IN_FLIGHT + MAX_CANCELLED ids are taken, far fewer than 2^16: the
+        // loop ends.
         loop {
             let id = self.next_id;
             self.next_id = self.next_id.wrapping_add(1);
+            if self.cancelled_set.contains(&id) {
+                continue;
+            }
             if let std::collections::hash_map::Entry::Vacant(v) = self.waiting.entry(id) {
-                v.insert(tx);
-                return Some(id);
+                v.insert(Waiter { tx, target });
+                return Ok(id);
             }
         }
     }
 
-    fn take(&mut self, id: u16) -> Option<Sender<Incoming>> {
+    fn take(&mut self, id: u16) -> Option<Waiter> {
         self.waiting.remove(&id)
+    }
+
+    /// Forget a pending request whose reply may still come; its late reply is dropped
+    /// quietly.
+    fn abandon(&mut self, id: u16) {
+        if self.waiting.remove(&id).is_none() {
+            return;
+        }
+        if self.cancelled.len() >= MAX_CANCELLED {
+            if let Some(old) = self.cancelled.pop_front() {
+                self.cancelled_set.remove(&old);
+            }
+        }
+        self.cancelled.push_back(id);
+        self.cancelled_set.insert(id);
+    }
+
+    /// Fail every pending request that `pick` selects with `Cancelled(why)`.
+    fn cancel_where(&mut self, why: &'static str, pick: impl Fn(&Waiter) -> bool) -> usize {
+        let ids: Vec<u16> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| pick(w))
+            .map(|(&id, _)| id)
+            .collect();
+        for &id in &ids {
+            if let Some(w) = self.waiting.get(&id) {
+                let _ = w.tx.send(Delivery::Cancelled(why));
+            }
+            self.abandon(id);
+        }
+        ids.len()
+    }
+
+    /// True (and forgotten) if `id` is a cancelled request's.
+    fn was_cancelled(&mut self, id: u16) -> bool {
+        if !self.cancelled_set.remove(&id) {
+            return false;
+        }
+        self.cancelled.retain(|&c| c != id);
+        true
     }
 
     fn clear(&mut self) {
         self.waiting.clear();
+    }
+}
+
+/// While it lives, server→client requests on its channel are refused with
+/// [`RequestError::Cancelled`] (those pending when it was taken were failed); see
+/// [`Channel::hold_requests`]. It owns a reference to the channel, so a state that spans
+/// several messages (migration's STOP) can keep it.
+#[derive(Debug)]
+#[must_use = "requests are allowed again as soon as the hold is dropped"]
+pub struct RequestHold {
+    chan: Arc<Channel>,
+}
+
+impl Drop for RequestHold {
+    fn drop(&mut self) {
+        let mut p = lock(&self.chan.pending);
+        p.holds = p.holds.saturating_sub(1);
     }
 }
 
@@ -189,6 +344,12 @@ pub struct Channel {
     max_xfer: AtomicU32,
     max_message: u32,
     timeout: Duration,
+    /// The thread that handles the client's commands ([`Channel::bind_connection_thread`]).
+    conn_thread: OnceLock<ThreadId>,
+    /// The client waits for the reply to the message the connection thread is handling.
+    client_waits: AtomicBool,
+    /// Backlogged messages whose sender waits for a reply (changed under the reader lock).
+    backlog_awaiting: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -223,7 +384,85 @@ impl Channel {
             max_xfer: AtomicU32::new(max_xfer),
             max_message,
             timeout,
+            conn_thread: OnceLock::new(),
+            client_waits: AtomicBool::new(false),
+            backlog_awaiting: AtomicUsize::new(0),
         })
+    }
+
+    /// Record the calling thread as the connection thread (the one that handles commands
+    /// and sends their replies); once per channel.
+    pub fn bind_connection_thread(&self) {
+        let _ = self.conn_thread.set(std::thread::current().id());
+    }
+
+    /// Say whether the client waits for the reply to the message the connection thread is
+    /// about to handle (`false` once it is handled).
+    pub fn set_client_waits(&self, waits: bool) {
+        self.client_waits.store(waits, Ordering::Release);
+    }
+
+    fn on_connection_thread(&self) -> bool {
+        self.conn_thread.get() == Some(&std::thread::current().id())
+    }
+
+    /// True if a request from the connection thread would wait for a client that waits for
+    /// that thread: the message it handles expects a reply, or a backlogged one does.
+    fn client_waits_for_us(&self) -> bool {
+        self.client_waits.load(Ordering::Acquire)
+            || self.backlog_awaiting.load(Ordering::Acquire) > 0
+    }
+
+    /// Fail every pending server→client request with [`RequestError::Cancelled`]`(why)` and
+    /// refuse new ones until the returned hold is dropped (holds nest). When this returns,
+    /// every request registered before it has been sent and failed, and no other can be
+    /// sent while the hold lives: a reply sent under the hold is the last thing the client
+    /// receives about them. Use it around anything that makes a reply wait for the device
+    /// to stop (DEVICE_RESET; migration's STOP), so that a device thread blocked on the
+    /// client cannot delay the reply. It takes each socket lock briefly (the barrier): a
+    /// sender blocked on a client that stops reading delays it, as it would delay the reply
+    /// anyway.
+    pub fn hold_requests(self: &Arc<Self>, why: &'static str) -> RequestHold {
+        let n = {
+            let mut p = lock(&self.pending);
+            p.holds += 1;
+            p.hold_reason = why;
+            p.cancel_where(why, |_| true)
+        };
+        // Barrier: a request is registered and sent under its socket's lock, so once both
+        // locks were free, any request registered before the hold is fully sent.
+        drop(lock(&self.writer));
+        drop(lock(&self.twin));
+        if n > 0 {
+            debug!(
+                cancelled = n,
+                reason = why,
+                "server-to-client requests cancelled"
+            );
+        }
+        RequestHold { chan: self.clone() }
+    }
+
+    /// Fail the pending requests whose target overlaps `[iova, iova + size)` with
+    /// [`RequestError::Cancelled`]`(why)`; returns how many. Later requests are not refused
+    /// (the caller stops them: see the module doc).
+    pub fn cancel_range(&self, iova: u64, size: u64, why: &'static str) -> usize {
+        let Some(last) = size.checked_sub(1).map(|s| iova.saturating_add(s)) else {
+            return 0;
+        };
+        let n = lock(&self.pending).cancel_where(why, |w| {
+            w.target.is_some_and(|(f, l)| f <= last && iova <= l)
+        });
+        if n > 0 {
+            debug!(
+                cancelled = n,
+                iova = format_args!("{iova:#x}"),
+                size = format_args!("{size:#x}"),
+                reason = why,
+                "server-to-client requests cancelled"
+            );
+        }
+        n
     }
 
     /// Set the negotiated transfer limit.
@@ -289,14 +528,23 @@ impl Channel {
     /// Deliver a reply to its requester.
     pub fn route_reply(&self, m: Incoming) {
         let id = m.header.msg_id;
-        match lock(&self.pending).take(id) {
-            Some(tx) => {
-                let _ = tx.send(m);
+        let mut p = lock(&self.pending);
+        match p.take(id) {
+            Some(w) => {
+                drop(p);
+                let _ = w.tx.send(Delivery::Reply(m));
             }
-            None => warn!(
-                msg_id = m.header.msg_id,
-                "reply from the client matches no pending request; dropped"
-            ),
+            None if p.was_cancelled(id) => {
+                drop(p);
+                debug!(msg_id = id, "late reply to a cancelled request; dropped");
+            }
+            None => {
+                drop(p);
+                warn!(
+                    msg_id = id,
+                    "reply from the client matches no pending request; dropped"
+                )
+            }
         }
     }
 
@@ -304,7 +552,11 @@ impl Channel {
     pub fn next_command(&self) -> Option<Incoming> {
         loop {
             let mut rs = lock(&self.reader);
-            match rs.backlog.pop_front() {
+            let next = rs.backlog.pop_front();
+            if next.as_ref().is_some_and(Backlogged::awaits_reply) {
+                self.backlog_awaiting.fetch_sub(1, Ordering::AcqRel);
+            }
+            match next {
                 Some(Backlogged::Command(m)) => return Some(m),
                 Some(Backlogged::Invalid(h, e)) => {
                     drop(rs);
@@ -356,17 +608,27 @@ impl Channel {
                 return;
             }
         }
-        match read_one(&rs.stream, self.max_message) {
-            ReadResult::Message(m, MessageType::Reply) => self.route_reply(m),
-            ReadResult::Message(m, MessageType::Command) => {
-                rs.backlog.push_back(Backlogged::Command(m))
+        let backlogged = match read_one(&rs.stream, self.max_message) {
+            ReadResult::Message(m, MessageType::Reply) => {
+                self.route_reply(m);
+                None
             }
-            ReadResult::Invalid(h, e) => rs.backlog.push_back(Backlogged::Invalid(h, e)),
+            ReadResult::Message(m, MessageType::Command) => Some(Backlogged::Command(m)),
+            ReadResult::Invalid(h, e) => Some(Backlogged::Invalid(h, e)),
             ReadResult::Corrupt(h, e) => {
                 rs.eof = true;
-                rs.backlog.push_back(Backlogged::Invalid(h, e));
+                Some(Backlogged::Invalid(h, e))
             }
-            ReadResult::Eof => rs.eof = true,
+            ReadResult::Eof => {
+                rs.eof = true;
+                None
+            }
+        };
+        if let Some(b) = backlogged {
+            if b.awaits_reply() {
+                self.backlog_awaiting.fetch_add(1, Ordering::AcqRel);
+            }
+            rs.backlog.push_back(b);
         }
         if rs.eof {
             self.closed.store(true, Ordering::Release);
@@ -377,32 +639,89 @@ impl Channel {
     /// Send a server→client command and wait for its reply (payload returned). Errors in
     /// the reply header become [`RequestError::Errno`].
     pub fn request(&self, cmd: Command, payload: &[u8]) -> Result<Incoming, RequestError> {
+        self.request_impl(cmd, payload, None)
+    }
+
+    /// As [`Channel::request`], for a request that targets the guest addresses
+    /// `[iova, iova + len)` (a DMA_READ/DMA_WRITE piece): [`Channel::cancel_range`] of an
+    /// overlapping range fails it.
+    pub fn request_at(
+        &self,
+        cmd: Command,
+        payload: &[u8],
+        iova: u64,
+        len: u64,
+    ) -> Result<Incoming, RequestError> {
+        let target = len.checked_sub(1).map(|l| (iova, iova.saturating_add(l)));
+        self.request_impl(cmd, payload, target)
+    }
+
+    /// Register the request and send it, as one step under the lock of the socket it goes
+    /// out on (what [`Channel::hold_requests`] relies on); returns its message id.
+    fn register_and_send(
+        &self,
+        twin: bool,
+        tx: Sender<Delivery>,
+        target: Option<(u64, u64)>,
+        cmd: Command,
+        buf: &mut [u8],
+    ) -> Result<u16, RequestError> {
+        let send = |stream: Option<&UnixStream>, buf: &mut [u8]| {
+            let id = lock(&self.pending).insert(tx, target)?;
+            let hdr = Header::command(id, cmd, buf.len() - HEADER_SIZE);
+            buf[..HEADER_SIZE].copy_from_slice(&hdr.encode());
+            let sent = match stream {
+                Some(s) => send_message(s, buf, &[]),
+                None => Err(std::io::ErrorKind::NotConnected.into()),
+            };
+            if sent.is_err() {
+                lock(&self.pending).take(id);
+                return Err(RequestError::Disconnected);
+            }
+            Ok(id)
+        };
+        if twin {
+            let t = lock(&self.twin);
+            send(t.as_ref(), buf)
+        } else {
+            let w = lock(&self.writer);
+            send(Some(&w), buf)
+        }
+    }
+
+    fn request_impl(
+        &self,
+        cmd: Command,
+        payload: &[u8],
+        target: Option<(u64, u64)>,
+    ) -> Result<Incoming, RequestError> {
         if self.is_closed() {
             return Err(RequestError::Disconnected);
         }
-        let (tx, rx) = bounded(1);
-        let id = lock(&self.pending).insert(tx).ok_or(RequestError::Busy)?;
-        let hdr = Header::command(id, cmd, payload.len());
-        let buf = encode_message(&hdr, payload);
         let twin = self.twin_active.load(Ordering::Acquire);
-        let sent = if twin {
-            match lock(&self.twin).as_ref() {
-                Some(t) => send_message(t, &buf, &[]),
-                None => Err(std::io::ErrorKind::NotConnected.into()),
-            }
-        } else {
-            self.send(&buf, &[])
-        };
-        if sent.is_err() {
-            lock(&self.pending).take(id);
-            return Err(RequestError::Disconnected);
+        // A request from the connection thread while the client waits for that thread
+        // (module doc): fail before sending anything.
+        let on_conn = !twin && self.on_connection_thread();
+        if on_conn && self.client_waits_for_us() {
+            return Err(RequestError::WouldDeadlock);
         }
+        let (tx, rx) = bounded(1);
+        // The id is written into the header once registered.
+        let mut buf = encode_message(&Header::command(0, cmd, payload.len()), payload);
+        let id = self.register_and_send(twin, tx, target, cmd, &mut buf)?;
         let deadline = Instant::now() + self.timeout;
         let reply = loop {
             match rx.try_recv() {
-                Ok(m) => break m,
+                Ok(Delivery::Reply(m)) => break m,
+                Ok(Delivery::Cancelled(why)) => return Err(RequestError::Cancelled(why)),
                 Err(TryRecvError::Disconnected) => return Err(RequestError::Disconnected),
                 Err(TryRecvError::Empty) => {}
+            }
+            if on_conn && self.client_waits_for_us() {
+                // A command that expects a reply arrived meanwhile: the client will not
+                // answer before it has that reply, which only this thread can send.
+                lock(&self.pending).abandon(id);
+                return Err(RequestError::WouldDeadlock);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -419,7 +738,8 @@ impl Channel {
                 }
             }
             match rx.recv_timeout(slice) {
-                Ok(m) => break m,
+                Ok(Delivery::Reply(m)) => break m,
+                Ok(Delivery::Cancelled(why)) => return Err(RequestError::Cancelled(why)),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return Err(RequestError::Disconnected),
             }
@@ -523,6 +843,170 @@ mod tests {
         send_message(&peer, &encode_message(&first.header.reply(1), &[1]), &[]).unwrap();
         send_message(&peer, &encode_message(&second.header.reply(1), &[2]), &[]).unwrap();
         assert_eq!(t.join().unwrap().unwrap().payload, vec![2]);
+    }
+
+    /// The next request the peer receives, if one comes within `wait`.
+    fn next_request(peer: &UnixStream, wait: Duration) -> Option<Incoming> {
+        if !wait_readable(peer, wait).unwrap() {
+            return None;
+        }
+        match read_one(peer, 1 << 20) {
+            ReadResult::Message(m, MessageType::Command) => Some(m),
+            other => panic!("expected a request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn test_hold_requests_cancels_pending_refuses_new_until_dropped() {
+        let (chan, peer) = pair(5000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request_at(Command::DmaRead, &[0; 16], 0x1000, 8));
+        let req = next_request(&peer, Duration::from_secs(2)).expect("the request");
+        let start = Instant::now();
+        let hold = chan.hold_requests("test reset");
+        assert_eq!(
+            t.join().unwrap().unwrap_err(),
+            RequestError::Cancelled("test reset")
+        );
+        assert!(start.elapsed() < Duration::from_secs(1), "failed fast");
+        // Refused while held, and nothing goes out.
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::Cancelled("test reset")
+        );
+        assert!(next_request(&peer, Duration::from_millis(50)).is_none());
+        drop(hold);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let second = next_request(&peer, Duration::from_secs(2)).expect("a request again");
+        assert_ne!(second.header.msg_id, req.header.msg_id);
+        // The late reply to the cancelled request is dropped, not taken for this one.
+        send_message(&peer, &encode_message(&req.header.reply(1), &[1]), &[]).unwrap();
+        send_message(&peer, &encode_message(&second.header.reply(1), &[2]), &[]).unwrap();
+        assert_eq!(t.join().unwrap().unwrap().payload, vec![2]);
+    }
+
+    #[test]
+    fn test_hold_requests_racing_requesters_none_sent_after_hold_returns() {
+        // Requesters race with the hold: whatever they registered before it must be on
+        // the wire when it returns; nothing may follow.
+        for _ in 0..50 {
+            let (chan, peer) = pair(5000);
+            let threads: Vec<_> = (0..4)
+                .map(|_| {
+                    let c = chan.clone();
+                    std::thread::spawn(
+                        move || {
+                            while c.request(Command::DmaRead, &[0; 16]).is_ok() {}
+                        },
+                    )
+                })
+                .collect();
+            std::thread::sleep(Duration::from_micros(200));
+            let hold = chan.hold_requests("test reset");
+            let marker = Header::command(0xfff0, Command::DeviceReset, 0);
+            chan.send(&marker.encode(), &[]).unwrap();
+            for t in threads {
+                t.join().unwrap();
+            }
+            loop {
+                match read_one(&peer, 1 << 20) {
+                    ReadResult::Message(m, _) if m.header.msg_id == 0xfff0 => break,
+                    ReadResult::Message(m, _) => {
+                        assert_eq!(m.header.command, Command::DmaRead as u16)
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert!(
+                next_request(&peer, Duration::from_millis(2)).is_none(),
+                "a request was sent after the hold"
+            );
+            drop(hold);
+        }
+    }
+
+    #[test]
+    fn test_cancel_range_fails_only_overlapping_requests() {
+        let (chan, peer) = pair(5000);
+        let spawn = |iova: u64| {
+            let c = chan.clone();
+            std::thread::spawn(move || c.request_at(Command::DmaRead, &[0; 16], iova, 0x100))
+        };
+        let inside = spawn(0x2f00);
+        let a = next_request(&peer, Duration::from_secs(2)).unwrap();
+        let outside = spawn(0x3000);
+        let b = next_request(&peer, Duration::from_secs(2)).unwrap();
+        let (inside_req, outside_req) = if a.header.msg_id < b.header.msg_id {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        assert_eq!(chan.cancel_range(0x2000, 0x1000, "test unmap"), 1);
+        assert_eq!(
+            inside.join().unwrap().unwrap_err(),
+            RequestError::Cancelled("test unmap")
+        );
+        assert_eq!(chan.cancel_range(0x2000, 0x1000, "test unmap"), 0);
+        send_message(&peer, &inside_req.header.reply(0).encode(), &[]).unwrap();
+        send_message(
+            &peer,
+            &encode_message(&outside_req.header.reply(1), &[9]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(outside.join().unwrap().unwrap().payload, vec![9]);
+    }
+
+    #[test]
+    fn test_request_from_connection_thread_client_waiting_fails_fast_sends_nothing() {
+        let (chan, peer) = pair(5000);
+        chan.bind_connection_thread();
+        chan.set_client_waits(true);
+        let start = Instant::now();
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::WouldDeadlock
+        );
+        assert!(start.elapsed() < Duration::from_millis(500));
+        assert!(next_request(&peer, Duration::from_millis(50)).is_none());
+        // Another thread's request is not concerned.
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let req = next_request(&peer, Duration::from_secs(2)).unwrap();
+        send_message(&peer, &req.header.reply(0).encode(), &[]).unwrap();
+        assert!(t.join().unwrap().is_ok());
+    }
+
+    #[test]
+    fn test_request_from_connection_thread_posted_command_waits_awaited_command_fails() {
+        let (chan, peer) = pair(5000);
+        chan.bind_connection_thread();
+        let client = std::thread::spawn(move || {
+            // A posted command does not stop the request: the reply comes after it.
+            let req = next_request(&peer, Duration::from_secs(2)).unwrap();
+            let mut posted = Header::command(40, Command::RegionWrite, 0);
+            posted.flags |= crate::protocol::FLAGS_NO_REPLY;
+            send_message(&peer, &posted.encode(), &[]).unwrap();
+            send_message(&peer, &req.header.reply(0).encode(), &[]).unwrap();
+            // A command that expects a reply does: the client waits for its reply.
+            let _req = next_request(&peer, Duration::from_secs(2)).unwrap();
+            let awaited = Header::command(41, Command::RegionRead, 0);
+            send_message(&peer, &awaited.encode(), &[]).unwrap();
+            peer
+        });
+        assert!(chan.request(Command::DmaRead, &[0; 16]).is_ok());
+        let start = Instant::now();
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::WouldDeadlock
+        );
+        assert!(start.elapsed() < Duration::from_secs(1));
+        let _peer = client.join().unwrap();
+        assert_eq!(chan.next_command().unwrap().header.msg_id, 40);
+        assert_eq!(chan.next_command().unwrap().header.msg_id, 41);
+        // Handled: a request is allowed again.
+        assert!(!chan.client_waits_for_us());
     }
 
     #[test]

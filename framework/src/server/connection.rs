@@ -119,6 +119,8 @@ impl Connection {
     /// (with the usual teardown), not the server.
     pub fn run(mut self) {
         info!("client connected");
+        // Requests the device makes from this thread follow stricter rules (channel docs).
+        self.chan.bind_connection_thread();
         while let Some(m) = self.chan.next_command() {
             self.handle(m);
         }
@@ -139,7 +141,11 @@ impl Connection {
         );
         let _enter = span.enter();
         let fds = m.fds;
+        // While the client waits for this message's reply it answers none of our requests
+        // (QEMU): a request the device makes from this thread meanwhile fails fast.
+        self.chan.set_client_waits(!hdr.no_reply());
         let result = catch_unwind(AssertUnwindSafe(|| self.process(&hdr, &m.payload, fds)));
+        self.chan.set_client_waits(false);
         let Ok(result) = result else {
             error!("the device panicked while handling {name}; closing the connection");
             span.record("errno", libc::EIO);

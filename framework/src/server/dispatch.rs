@@ -308,7 +308,13 @@ impl Connection {
         )))
     }
 
+    /// DEVICE_RESET. The device's reset may wait for its threads to stop, and one of them
+    /// may be waiting for the client (DMA to fd-less memory), which QEMU does not answer
+    /// while it waits for this reply: the reset runs with every server→client request
+    /// cancelled and new ones refused (ECANCELED to the device), so the reply never waits
+    /// for the client and no request from before the reset reaches it after the reply.
     pub(super) fn reset(&mut self) -> Result<Reply, ServerError> {
+        let _held = self.chan.hold_requests("DEVICE_RESET in progress");
         let mut dev = lock_device(&self.device);
         dev.reset().map_err(ServerError::Device)?;
         self.info = dev.info();

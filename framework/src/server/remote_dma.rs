@@ -1,9 +1,15 @@
 //! [`RemoteDma`] over the connection: DMA_READ / DMA_WRITE to the client, split into
-//! transfers of at most the negotiated max_data_xfer_size.
+//! transfers of at most the negotiated max_data_xfer_size, each registered with the range
+//! it targets so that a DMA_UNMAP can cancel it ([`RemoteDma::cancel`]).
+//!
+//! errnos a device sees besides the client's own: ECANCELED (cancelled by a DEVICE_RESET
+//! or by a DMA_UNMAP of the range, or refused during a reset), EDEADLK (issued from the
+//! connection thread while the client waits for that thread's reply: see
+//! [`super::channel`]), ETIMEDOUT (no reply in time), EPROTO (malformed reply).
 
 use std::sync::Arc;
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::channel::{Channel, RequestError};
 use crate::dma::{DmaError, RemoteDma};
@@ -24,7 +30,12 @@ impl ClientDma {
     }
 
     fn fail(&self, op: &str, iova: u64, len: usize, e: RequestError) -> DmaError {
-        warn!(iova = format_args!("{iova:#x}"), len, error = %e, "{op} to the client failed");
+        if matches!(e, RequestError::Cancelled(_)) {
+            // Expected during a reset or an unmap; the device sees ECANCELED.
+            debug!(iova = format_args!("{iova:#x}"), len, error = %e, "{op} to the client cancelled");
+        } else {
+            warn!(iova = format_args!("{iova:#x}"), len, error = %e, "{op} to the client failed");
+        }
         match e {
             RequestError::Disconnected => DmaError::Disconnected,
             RequestError::Busy => DmaError::Busy("too many server-to-client requests in flight"),
@@ -40,6 +51,14 @@ impl ClientDma {
                 iova,
                 errno: libc::EPROTO,
             },
+            RequestError::Cancelled(_) => DmaError::Remote {
+                iova,
+                errno: libc::ECANCELED,
+            },
+            RequestError::WouldDeadlock => DmaError::Remote {
+                iova,
+                errno: libc::EDEADLK,
+            },
         }
     }
 
@@ -52,9 +71,12 @@ impl ClientDma {
             let addr = iova.checked_add(done as u64).ok_or(RequestError::BadReply(
                 crate::protocol::ProtocolError::invalid("DMA_READ", "address wraps"),
             ))?;
-            let reply = self
-                .chan
-                .request(Command::DmaRead, &encode_dma_read(addr, n as u64))?;
+            let reply = self.chan.request_at(
+                Command::DmaRead,
+                &encode_dma_read(addr, n as u64),
+                addr,
+                n as u64,
+            )?;
             let data = self
                 .layout
                 .decode_read_reply(&reply.payload, addr, n as u64)
@@ -77,7 +99,9 @@ impl ClientDma {
                 ))?;
             payload.clear();
             self.layout.put_write(&mut payload, addr, chunk);
-            let reply = self.chan.request(Command::DmaWrite, &payload)?;
+            let reply =
+                self.chan
+                    .request_at(Command::DmaWrite, &payload, addr, chunk.len() as u64)?;
             decode_dma_write_reply(&reply.payload, addr, chunk.len() as u64)
                 .map_err(RequestError::BadReply)?;
         }
@@ -98,5 +122,10 @@ impl RemoteDma for ClientDma {
 
     fn max_xfer(&self) -> usize {
         self.chan.max_xfer() as usize
+    }
+
+    fn cancel(&self, iova: u64, size: u64) {
+        self.chan
+            .cancel_range(iova, size, "DMA_UNMAP of the range it targets");
     }
 }
