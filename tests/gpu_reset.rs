@@ -145,14 +145,6 @@ fn assert_reset_values(vmm: &mut RawVmm, round: u32, when: &str) {
     }
 }
 
-/// Attach `efd` as the trigger of vector 0 of IRQ `index`.
-fn attach_eventfd(vmm: &mut RawVmm, index: u32, efd: &EventFd) {
-    let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
-    let p = encode_set_irqs(flags, index, 0, 1, &[]);
-    let m = vmm.call(Wire::DeviceSetIrqs, &p, &[efd.as_raw_fd()]);
-    assert!(!m.header.is_error(), "SET_IRQS errno {}", m.header.error);
-}
-
 /// Publish `len` bytes of commands (already in the ring), wait until the worker works on
 /// them (RING_HEAD moved, or it sent a DMA_READ), and reset. True if the worker was seen
 /// in the middle of the ring just before the reset was sent.
@@ -233,8 +225,7 @@ fn test_gpu_reset_during_long_ring_no_interrupt_after_reply() {
     let (_served, mut vmm, _gpu) = start(common::raw_client::DEFAULT_CAPS);
     let (_ring, len) = fd_ring(&mut vmm, ring_size, 0);
     // After a reset MSI and MSI-X are off: the device interrupts through INTx.
-    let intx = EventFd::new(EFD_NONBLOCK).unwrap();
-    attach_eventfd(&mut vmm, irq_index::INTX, &intx);
+    let intx = vmm.attach_eventfd(irq_index::INTX);
     let mut fired_before = 0;
     let mut mid_ring = 0;
     for round in 1..=ROUNDS {

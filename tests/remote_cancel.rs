@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use common::test_device::{DMA_SCRATCH, REG_DMA_IOVA, REG_DMA_LEN, REG_DMA_OP, REG_DMA_STATUS};
 use raw_vmm::RawVmm;
 use rig::Served;
-use umdev::device::region_index;
+use umdev::device::{irq_index, region_index};
 use umdev::dma::DmaConfig;
 use umdev::protocol::dma_map::DmaUnmapRequest;
 use umdev::protocol::Command as Wire;
@@ -108,8 +108,11 @@ fn requests_after(vmm: &mut RawVmm, at_reply: u32) -> Vec<(u16, u64, u64)> {
 #[test]
 fn test_gpu_reset_qemu_like_client_fetch_waiting_reply_fast_no_dma_read_after() {
     let (_served, mut vmm, len) = gpu_on_fdless_ring();
+    let intx = vmm.attach_eventfd(irq_index::INTX);
     for round in 1..=10 {
         init_ring(&mut vmm);
+        // A failed fetch would raise the error interrupt: the cancelled one must not.
+        vmm.write32(BAR, REG_IRQ_ENABLE, IRQ_ERROR);
         publish_and_hold_fetch(&mut vmm, len);
         let start = Instant::now();
         let id = vmm.c.send(Wire::DeviceReset as u16, 0, &[], &[]);
@@ -128,6 +131,11 @@ fn test_gpu_reset_qemu_like_client_fetch_waiting_reply_fast_no_dma_read_after() 
             took < FAST,
             "round {round}: the DEVICE_RESET reply took {took:?} (the worker's DMA_READ was \
              waited for)"
+        );
+        assert!(
+            intx.read().is_err(),
+            "round {round}: an interrupt fired during the reset (the cancelled fetch was \
+             reported as a ring fault)"
         );
         // Received before the reply; now QEMU's bottom half answers them (late replies).
         let at_reply = vmm.requests;
@@ -207,6 +215,7 @@ fn test_ccw_reset_qemu_like_client_opb_read_waiting_reply_fast_no_trace_after() 
     let c = common::RawClient::new_default(&served.path);
     let mut vmm = RawVmm::new(c, RAM, 0x4000).qemu_like();
     assert_eq!(vmm.map(RAM, 0x4000, None), 0);
+    let intx = vmm.attach_eventfd(irq_index::INTX);
     for round in 1..=5 {
         vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
         vmm.write32(BAR, ccw_regs::OPB_ADDR_LO, RAM as u32);
@@ -226,6 +235,10 @@ fn test_ccw_reset_qemu_like_client_opb_read_waiting_reply_fast_no_trace_after() 
         assert!(
             took < FAST,
             "round {round}: the DEVICE_RESET reply took {took:?} (the worker was waited for)"
+        );
+        assert!(
+            intx.read().is_err(),
+            "round {round}: the cancelled program completed with an interrupt during the reset"
         );
         // Counted on arrival: all of these came before the reply (`call` answered them
         // after it, as QEMU would).

@@ -9,7 +9,7 @@
 //! ([`RawVmm::serve_idle`]).
 #![allow(dead_code)]
 
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::common::raw_client::{Msg, RawClient};
@@ -178,6 +178,20 @@ impl RawVmm {
             &v.to_le_bytes(),
             umdev::protocol::FLAGS_NO_REPLY,
         );
+    }
+
+    /// A fresh non-blocking eventfd attached as the trigger of vector 0 of IRQ `index`.
+    pub fn attach_eventfd(&mut self, index: u32) -> vmm_sys_util::eventfd::EventFd {
+        use vfio_bindings::bindings::vfio::{
+            VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
+        };
+        let efd = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+            .expect("eventfd");
+        let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+        let p = umdev::protocol::set_irqs::encode_set_irqs(flags, index, 0, 1, &[]);
+        let m = self.call(Command::DeviceSetIrqs, &p, &[efd.as_raw_fd()]);
+        assert!(!m.header.is_error(), "SET_IRQS errno {}", m.header.error);
+        efd
     }
 
     /// DMA_MAP read-write, with an fd or fd-less; the errno.

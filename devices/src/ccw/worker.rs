@@ -169,6 +169,10 @@ impl Shared {
     }
 }
 
+/// How long a cancelled guest read is retried while its job is still current (a
+/// cancellation lasts for one DEVICE_RESET or DMA_UNMAP, normally microseconds).
+const CANCELLED_RETRY_LIMIT: Duration = Duration::from_secs(5);
+
 /// Everything the worker needs.
 pub struct Worker {
     /// Shared state.
@@ -188,13 +192,14 @@ pub struct Worker {
 /// Guest reads of the program walk; remembers whether a read was refused because Bus Master
 /// Enable is clear, so that the walk's "unreadable" fault can be reported as what it is.
 struct DmaReader<'a> {
-    dma: &'a DmaHandle,
+    worker: &'a Worker,
+    epoch: u64,
     bus_master_off: Cell<bool>,
 }
 
 impl GuestRead for DmaReader<'_> {
     fn read_guest(&self, addr: u64, buf: &mut [u8]) -> bool {
-        match self.dma.read(addr, buf) {
+        match self.worker.read(self.epoch, addr, buf) {
             Ok(()) => true,
             Err(DmaError::BusMasterDisabled { .. }) => {
                 self.bus_master_off.set(true);
@@ -250,12 +255,32 @@ impl Worker {
             f.abort = false;
             f.unmapped.clear();
         }
-        let ending = self.program(job.opb_addr);
+        let ending = self.program(job.epoch, job.opb_addr);
         self.finish(job, ending);
     }
 
+    /// A guest read for the job of `epoch`. A read the server cancelled (it waits for the
+    /// client during DEVICE_RESET, or the range is being unmapped) is not the guest's
+    /// fault: retry until it goes through, fails for real (after an unmap: not mapped), or
+    /// the job is discarded by a reset (then its ending is dropped in `finish`).
+    fn read(&self, epoch: u64, addr: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        let deadline = Instant::now() + CANCELLED_RETRY_LIMIT;
+        loop {
+            match self.dma.read(addr, buf) {
+                Err(e)
+                    if e.is_cancelled()
+                        && self.shared.epoch() == epoch
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Read the operation block, validate, pin, run, unpin.
-    fn program(&self, opb_addr: u64) -> Ending {
+    fn program(&self, epoch: u64, opb_addr: u64) -> Ending {
         let lost = |fault| Ending {
             done: fail(fault, 0, 0),
             status_addr: None,
@@ -264,12 +289,12 @@ impl Worker {
             return lost(Fault::OpBlockUnaligned);
         }
         let mut raw = [0u8; OPB_SIZE];
-        if let Err(e) = self.dma.read(opb_addr, &mut raw) {
+        if let Err(e) = self.read(epoch, opb_addr, &mut raw) {
             return lost(read_fault(&e, Fault::OpBlockUnreadable));
         }
         let opb = OperationBlock::from_bytes(&raw);
         let mut probe = [0u8; STATUS_BLOCK_SIZE];
-        if let Err(e) = self.dma.read(opb.status, &mut probe) {
+        if let Err(e) = self.read(epoch, opb.status, &mut probe) {
             return lost(read_fault(&e, Fault::StatusBlockInvalid));
         }
         let status_addr = Some(opb.status);
@@ -286,7 +311,8 @@ impl Worker {
             capacity: self.capacity,
         };
         let reader = DmaReader {
-            dma: &self.dma,
+            worker: self,
+            epoch,
             bus_master_off: Cell::new(false),
         };
         let program = match parse(&reader, opb.program, &limits) {

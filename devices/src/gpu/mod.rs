@@ -21,7 +21,8 @@
 //!   after the reset reply nothing queued before it shows: no register change
 //!   (`FENCE_VALUE`, `IRQ_STATUS`, errors, `RING_HEAD`), no interrupt, no framebuffer
 //!   write, no pin, no DMA access (no DMA_READ on the wire for fd-less memory). The wait is
-//!   for at most one unit of work, bounded by the remote DMA timeout (`worker.rs` says why
+//!   for at most one unit of work; a fetch waiting for the client is cancelled by the server
+//!   for the duration of the reset, so the wait is short (`worker.rs` says why
 //!   it cannot deadlock).
 //! - **DMA unmap notifier**: drops the pins in the range after waiting for pin calls in
 //!   flight ([`gtt::GttCell::quiesce`]); a pixel copy from a pinned page holds the GTT lock,

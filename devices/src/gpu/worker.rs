@@ -30,12 +30,12 @@
 //! while it calls the device (`umdev::server` channel: leader/follower reading), so the
 //! waiting worker reads and routes its own reply (or the twin-socket reader does). A client
 //! that never answers is bounded by the server's remote DMA timeout (`remote_dma_timeout`,
-//! per DMA_READ piece): the read fails, the unit ends, the worker stops. That bound is
-//! reached with QEMU 10.x and RAM without fds: it serves server requests in a main-loop
-//! bottom half, and the main loop (or a vCPU holding the BQL) is the thread that waits for
-//! the DEVICE_RESET reply, so a DMA_READ outstanding at the reset is answered only after
-//! it. A ring fetch is one unit, so a client that answers every piece of a large fetch
-//! slowly (tiny `max_data_xfer_size`) delays its own reset by that many round trips. Pin
+//! per DMA_READ piece): the read fails, the unit ends, the worker stops. A client that
+//! cannot answer because it waits for our reply (QEMU serves server requests in a
+//! main-loop bottom half, which does not run while it waits for the DEVICE_RESET reply)
+//! does not stall the reset: the server cancels outstanding requests for the duration of
+//! DEVICE_RESET (`protocol-docs/server-dma.md`), the fetch fails with a cancellation,
+//! which the worker does not report as a guest error, and the unit ends at once. Pin
 //! calls, pixel copies and fd-backed DMA do not wait for anyone.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -291,6 +291,17 @@ impl Ctx {
                 (regs.ring, regs.ring_gen)
             };
             if let Err(e) = ring::fetch(&self.dma, &ring, &mut dwords) {
+                if e.is_cancelled() {
+                    // The server cut the fetch short (a reset is quiescing us, or the ring is
+                    // being unmapped): not the guest's fault, so no RING_FAULT and no
+                    // interrupt. Stop if halted; otherwise fetch again, which fails for
+                    // real once the ring is gone.
+                    if self.gate.halted() {
+                        return Drained::Halted;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
                 tracing::warn!(error = %e, base = ring.base, "gpu: ring fetch failed");
                 let raise = {
                     let mut regs = lock(&self.shared.regs);

@@ -104,8 +104,12 @@ pub enum DmaError {
         #[source]
         source: std::io::Error,
     },
-    /// Server→client DMA_READ/DMA_WRITE failed; `errno` is what the client replied (or
-    /// EIO for a transport failure).
+    /// Server→client DMA_READ/DMA_WRITE failed. `errno` is what the client replied (EIO if
+    /// it replied 0), or the server's own reason: ETIMEDOUT (no reply in time), EPROTO (a
+    /// malformed reply), ECANCELED (the server cancelled the request because the client
+    /// waits for a reply of ours: DEVICE_RESET, or a DMA_UNMAP of the range; see
+    /// [`DmaError::is_cancelled`]), EDEADLK (requested from the connection thread while the
+    /// client waits for its reply: do such DMA on a worker thread).
     #[error("server-to-client DMA at iova {iova:#x} failed (errno {errno})")]
     Remote {
         /// The address of the failing piece.
@@ -139,6 +143,15 @@ pub enum DmaError {
 }
 
 impl DmaError {
+    /// True for a server→client request the server cancelled (ECANCELED): the guest did
+    /// nothing wrong, the access was cut short by a reset or by an unmap of its range. A
+    /// device should not report it as a guest error; retrying tells which it was (after an
+    /// unmap the retry fails with [`DmaError::NotMapped`]; during a reset the device is
+    /// being quiesced anyway).
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, DmaError::Remote { errno, .. } if *errno == libc::ECANCELED)
+    }
+
     /// The errno this error is reported with.
     pub fn errno(&self) -> i32 {
         match self {
