@@ -19,12 +19,9 @@ use raw_vmm::RawVmm;
 use rig::Served;
 use umdev::device::{irq_index, region_index};
 use umdev::dma::DmaConfig;
-use umdev::protocol::set_irqs::encode_set_irqs;
 use umdev::protocol::Command as Wire;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig, GpuHandle};
-use vfio_bindings::bindings::vfio::{VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const BAR: u32 = region_index::BAR0;
 const RING_GPA: u64 = 0x1000_0000;
