@@ -90,7 +90,7 @@ pub fn run_intx(r: &mut Report) -> Option<()> {
         }
         r.ok(&n("enable"), crate::uio::Uio::reenable(&c.dev))?;
         let got = c.uio.wait(Duration::from_secs(3)).unwrap_or(u32::MAX);
-        // Acknowledge (QEMU's EOI) before re-enabling what the kernel's handler masked.
+        // Acknowledge, then re-enable what the kernel's handler masked.
         r.ok(&n("ack_after"), c.ack())?;
         let extra = c.uio.wait(Duration::from_secs(1)).unwrap_or(u32::MAX);
         let want = u32::from(!acked_first);

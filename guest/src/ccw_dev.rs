@@ -8,10 +8,11 @@
 //! disagrees with its own documentation fails.
 //!
 //! INTx accounting: every program the driver completes through [`Ccw::run`] waits for its
-//! interrupt, acknowledges IRQ_STATUS (a BAR write, which is also QEMU's INTx EOI) and only
-//! then clears Interrupt Disable (set by the kernel's handler), so a level still asserted in
-//! QEMU cannot fire a second time. [`Ccw::programs`], [`Ccw::interrupts`] and
-//! [`Ccw::not_one`] let a scenario check one interrupt per program.
+//! interrupt, acknowledges IRQ_STATUS (the device lowers its line) and then clears Interrupt
+//! Disable, which the kernel's uio handler set (the order of a real driver: the line is low
+//! before it is unmasked; the opposite order made no difference under QEMU 10.2 with TCG).
+//! [`Ccw::programs`], [`Ccw::interrupts`] and [`Ccw::not_one`] let a scenario check one
+//! interrupt per program.
 
 use std::io;
 use std::time::{Duration, Instant};
@@ -266,8 +267,7 @@ impl Ccw {
         Ok(done)
     }
 
-    /// Acknowledge IRQ_STATUS, then clear Interrupt Disable (in that order: the BAR write
-    /// is QEMU's EOI for the INTx it delivered).
+    /// Acknowledge IRQ_STATUS, then clear Interrupt Disable.
     pub fn ack(&self) -> io::Result<()> {
         self.bar.write32(regs::IRQ_STATUS, regs::IRQ_ALL)?;
         Uio::reenable(&self.dev)
