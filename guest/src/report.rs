@@ -5,7 +5,12 @@
 //! UMDEV-CHECK <scenario> <name> PASS|FAIL <detail...>
 //! UMDEV-MEASURE <scenario> <name> <value> <unit>
 //! UMDEV-END <scenario> <checks> <failures>
+//! UMDEV-IMAGE <scenario> <name> <offset> <len> <seed>
 //! ```
+//!
+//! `UMDEV-IMAGE` tells the host what the ccw server's image must hold after the run: image
+//! bytes `offset..offset + len` are `umdev_devices::ccw::driver::pattern` of `seed`; the
+//! host checks the file once the server has stopped.
 //!
 //! Names are single words (`[a-z0-9_.-]`). A scenario that panics or hangs never prints its
 //! END line; the host counts that as a failure.
@@ -72,6 +77,15 @@ impl Report {
     pub fn measure(&mut self, name: &str, value: f64, unit: &str) {
         self.line(format_args!(
             "UMDEV-MEASURE {} {name} {value:.3} {unit}",
+            self.scenario
+        ));
+    }
+
+    /// Announce that the ccw image must hold the pattern of `seed` at image bytes
+    /// `offset..offset + len` (checked by the host after the server stopped).
+    pub fn image(&mut self, name: &str, offset: u64, len: u64, seed: u64) {
+        self.line(format_args!(
+            "UMDEV-IMAGE {} {name} {offset} {len} {seed}",
             self.scenario
         ));
     }

@@ -7,6 +7,7 @@
 //! Run it through `scripts/vm-tests.sh`, which finds or builds QEMU and the guest kernel
 //! and builds the binaries; `--help` lists the options.
 
+mod image;
 mod initramfs;
 mod qemu;
 mod report;
@@ -239,6 +240,7 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
         stop_at: None,
     };
     let mut measures = Vec::new();
+    let mut images = Vec::new();
     match vm.run() {
         Err(e) => checks.push(Check::new("qemu.start", false, e)),
         Ok(run) => {
@@ -276,6 +278,7 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
             }
             checks.extend(log.checks);
             measures.extend(log.measures);
+            images = log.images;
             notes.extend(log.trouble.into_iter().map(|t| format!("guest: {t}")));
             notes.extend(
                 run.stderr
@@ -288,6 +291,10 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
     for s in servers {
         let out = s.stop();
         checks.extend(out.checks(plan.ram == Ram::Plain));
+    }
+    // Only now: the ccw server has stopped and flushed its image.
+    if !images.is_empty() {
+        checks.extend(image::checks(&server::ccw_image(dir), &images));
     }
     Outcome {
         checks,

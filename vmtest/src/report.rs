@@ -38,6 +38,22 @@ pub struct Measure {
     pub unit: String,
 }
 
+/// What the guest says the ccw image must hold after the run (`UMDEV-IMAGE`): image bytes
+/// `offset..offset + len` are `umdev_devices::ccw::driver::pattern` of `seed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageExpect {
+    /// Scenario that wrote it.
+    pub scenario: String,
+    /// Its name for the check.
+    pub name: String,
+    /// First image byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Pattern seed.
+    pub seed: u64,
+}
+
 /// What the guest's console said.
 #[derive(Debug, Default)]
 pub struct GuestLog {
@@ -45,6 +61,8 @@ pub struct GuestLog {
     pub checks: Vec<Check>,
     /// Measurements.
     pub measures: Vec<Measure>,
+    /// Image contents to check on the host.
+    pub images: Vec<ImageExpect>,
     /// Scenarios that printed their END line.
     pub ended: Vec<String>,
     /// Number of boots (`UMDEV-BOOT` lines).
@@ -100,6 +118,26 @@ impl GuestLog {
                         unit,
                     });
                 }
+                Some("UMDEV-IMAGE") => {
+                    let scenario = w.next().unwrap_or("?").to_string();
+                    let name = w.next().unwrap_or("?").to_string();
+                    let nums: Vec<Option<u64>> = w.map(|v| v.parse().ok()).collect();
+                    match nums[..] {
+                        [Some(offset), Some(len), Some(seed)] => g.images.push(ImageExpect {
+                            scenario,
+                            name,
+                            offset,
+                            len,
+                            seed,
+                        }),
+                        // A garbled line must not pass silently.
+                        _ => g.checks.push(Check::new(
+                            format!("{scenario}/{name}.image_line"),
+                            false,
+                            line[at..].trim(),
+                        )),
+                    }
+                }
                 Some("UMDEV-END") => g.ended.push(w.next().unwrap_or("?").to_string()),
                 Some("UMDEV-BOOT") => g.boots += 1,
                 _ => {}
@@ -123,9 +161,23 @@ mod tests {
             "UMDEV-MEASURE gpu gpu.cmds_per_s 1234.500 cmd/s",
             "UMDEV-END gpu 2 1",
             "[    3.0] Kernel panic - not syncing",
+            "UMDEV-IMAGE ccw direct 32768 65536 209",
+            "UMDEV-IMAGE ccw broken 1 x 2",
         ]);
         assert_eq!(log.boots, 1);
-        assert_eq!(log.checks.len(), 2);
+        assert_eq!(log.checks.len(), 3);
+        assert_eq!(
+            log.images,
+            vec![ImageExpect {
+                scenario: "ccw".into(),
+                name: "direct".into(),
+                offset: 32768,
+                len: 65536,
+                seed: 209,
+            }]
+        );
+        assert_eq!(log.checks[2].name, "ccw/broken.image_line");
+        assert!(!log.checks[2].ok);
         assert!(log.checks[0].ok);
         assert_eq!(log.checks[1].name, "gpu/gpu.readback");
         assert!(!log.checks[1].ok);

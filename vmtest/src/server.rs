@@ -32,6 +32,11 @@ impl Kind {
     }
 }
 
+/// The ccw server's image in a guest run's directory.
+pub fn ccw_image(dir: &Path) -> PathBuf {
+    dir.join("ccw.img")
+}
+
 /// The binaries under test.
 pub struct Bins {
     /// The `umdev` binary.
@@ -74,7 +79,7 @@ impl Server {
                 c.arg("run").arg(kind.name()).arg("--socket").arg(&socket);
                 if kind == Kind::Ccw {
                     c.arg("--image")
-                        .arg(dir.join("ccw.img"))
+                        .arg(ccw_image(dir))
                         .args(["--image-size-mib", "16"]);
                 }
                 c

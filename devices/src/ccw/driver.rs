@@ -131,6 +131,59 @@ pub fn decode_last_status(v: u32) -> (u8, u8, Option<Fault>) {
     )
 }
 
+/// A reproducible test pattern for image contents, a function of the *image* byte position:
+/// a guest driver fills its buffers with it before a WRITE, and whoever checks the result —
+/// the guest after a READ, or the host reading the image file after the device stopped —
+/// regenerates the same bytes from (seed, position) instead of copying them around.
+/// Because every byte depends on its image position, data that lands at the wrong offset
+/// (even by one byte) does not match.
+pub mod pattern {
+    /// One 64-bit word of the pattern: splitmix64 of the seed and the word's index.
+    fn word(seed: u64, index: u64) -> u64 {
+        let mut z = seed
+            .wrapping_mul(0xd605_bbb5_8c8a_bb25)
+            .wrapping_add(index)
+            .wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// The pattern byte at image byte offset `pos`.
+    pub fn byte(seed: u64, pos: u64) -> u8 {
+        word(seed, pos / 8).to_le_bytes()[(pos % 8) as usize]
+    }
+
+    /// Fill `buf` with the pattern of image bytes `pos..pos + buf.len()`.
+    pub fn fill(seed: u64, pos: u64, buf: &mut [u8]) {
+        let mut at = pos;
+        let mut rest = buf;
+        while !rest.is_empty() {
+            let bytes = word(seed, at / 8).to_le_bytes();
+            let skip = (at % 8) as usize;
+            let n = (8 - skip).min(rest.len());
+            rest[..n].copy_from_slice(&bytes[skip..skip + n]);
+            rest = &mut rest[n..];
+            at = at.wrapping_add(n as u64);
+        }
+    }
+
+    /// The index in `buf` of the first byte that differs from the pattern of image bytes
+    /// `pos..`, or `None` if all match.
+    pub fn first_mismatch(seed: u64, pos: u64, buf: &[u8]) -> Option<usize> {
+        let mut want = [0u8; 4096];
+        for (i, chunk) in buf.chunks(want.len()).enumerate() {
+            let off = i * want.len();
+            let want = &mut want[..chunk.len()];
+            fill(seed, pos.wrapping_add(off as u64), want);
+            if let Some(j) = chunk.iter().zip(want.iter()).position(|(a, b)| a != b) {
+                return Some(off + j);
+            }
+        }
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +225,25 @@ mod tests {
         assert_eq!(p.len(), 32);
         assert_eq!(p[16], cmd::TIC);
         assert_eq!(encode_idaws(&[1, 2])[8], 2);
+    }
+
+    #[test]
+    fn test_pattern_fill_matches_byte_at_unaligned_positions() {
+        let mut buf = [0u8; 37];
+        pattern::fill(5, 1003, &mut buf);
+        for (i, b) in buf.iter().enumerate() {
+            assert_eq!(*b, pattern::byte(5, 1003 + i as u64));
+        }
+        assert_eq!(pattern::first_mismatch(5, 1003, &buf), None);
+    }
+
+    #[test]
+    fn test_pattern_shifted_or_other_seed_mismatches() {
+        let mut buf = vec![0u8; 10000];
+        pattern::fill(1, 512, &mut buf);
+        assert_eq!(pattern::first_mismatch(1, 513, &buf), Some(0));
+        assert_eq!(pattern::first_mismatch(2, 512, &buf), Some(0));
+        buf[9000] ^= 1;
+        assert_eq!(pattern::first_mismatch(1, 512, &buf), Some(9000));
     }
 }
