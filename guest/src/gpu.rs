@@ -11,9 +11,7 @@ use umdev_devices::gpu::commands::{header, Command, OP_FILL_RECT};
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 
-use crate::gpu_kit::{
-    self, discontiguities, pattern, surface, surface_diff, Gpu, Rect, FULL, H, W,
-};
+use crate::gpu_kit::{self, pattern, Gpu, Rect, Surface, FULL, H, W};
 use crate::pci::command;
 use crate::report::Report;
 use crate::uio::Uio;
@@ -82,8 +80,8 @@ fn readback(r: &mut Report, g: &mut Gpu) -> Option<()> {
         Ok(())
     })();
     r.ok("gpu.readback_cpu_draw", draw)?;
-    let dst = r.ok("gpu.readback_alloc", surface(w, h, stride, 0xee))?;
-    let breaks = discontiguities(&dst);
+    let dst = r.ok("gpu.readback_alloc", Surface::new(w, h, stride, 0xee))?;
+    let breaks = dst.discontiguities();
     r.check(
         "gpu.readback_gtt_scattered",
         breaks > 0,
@@ -106,9 +104,7 @@ fn readback(r: &mut Report, g: &mut Gpu) -> Option<()> {
         stride,
     };
     r.ok("gpu.readback_run", g.run(&[cmd]))?;
-    let diff = surface_diff(&dst, (w, h, stride), 0xee, |x, y| {
-        pattern(SEED, x0 + x, y0 + y)
-    });
+    let diff = dst.diff(|x, y| pattern(SEED, x0 + x, y0 + y));
     let (bad, first) = r.ok("gpu.readback_read", diff)?;
     r.check(
         "gpu.readback_pixels",
@@ -135,12 +131,11 @@ fn blit_and_errors(r: &mut Report, g: &mut Gpu) -> Option<()> {
     const SEED: u32 = 0x24_68ac;
     const GTT: u32 = 256;
     let (w, h, stride, dx, dy) = (256, 160, 256 * 4 + 64, 400, 300);
-    let src = r.ok("gpu.blit_alloc", surface(w, h, stride, 0x77))?;
+    let src = r.ok("gpu.blit_alloc", Surface::new(w, h, stride, 0x77))?;
     let write = (|| -> std::io::Result<()> {
         for y in 0..h {
             for x in 0..w {
-                let v = pattern(SEED, x, y).to_le_bytes();
-                src.write_at((y * stride + 4 * x) as usize, &v)?;
+                src.put(x, y, pattern(SEED, x, y))?;
             }
         }
         Ok(())
@@ -162,13 +157,10 @@ fn blit_and_errors(r: &mut Report, g: &mut Gpu) -> Option<()> {
         }
     }
     g.check_fb(r, "gpu.blit_pixels");
-    let src_intact =
-        |r: &mut Report, name: &str| match surface_diff(&src, (w, h, stride), 0x77, |x, y| {
-            pattern(SEED, x, y)
-        }) {
-            Ok((bad, first)) => r.check(name, bad == 0, format_args!("{bad} bytes changed{first}")),
-            Err(e) => r.check(name, false, e),
-        };
+    let src_intact = |r: &mut Report, name: &str| match src.diff(|x, y| pattern(SEED, x, y)) {
+        Ok((bad, first)) => r.check(name, bad == 0, format_args!("{bad} bytes changed{first}")),
+        Err(e) => r.check(name, false, e),
+    };
     src_intact(r, "gpu.blit_src_unchanged");
 
     // READBACK into the read-only entries: GTT_READONLY, the FENCE after it still runs.
@@ -349,7 +341,7 @@ pub(crate) fn fill_batch(r: &mut Report, g: &mut Gpu, p: &str, n: u32) -> Option
 fn readback_batch(r: &mut Report, g: &mut Gpu) -> Option<()> {
     const REPEAT: u32 = 8;
     let stride = W * 4;
-    let dst = r.ok("gpu.readback_batch_alloc", surface(W, H, stride, 0))?;
+    let dst = r.ok("gpu.readback_batch_alloc", Surface::new(W, H, stride, 0))?;
     r.ok("gpu.readback_batch_gtt", g.map(0, &dst, true))?;
     let cmd = Command::Readback {
         src_x: 0,
@@ -373,7 +365,7 @@ fn readback_batch(r: &mut Report, g: &mut Gpu) -> Option<()> {
         "MB/s",
     );
     let model = &g.model;
-    let diff = surface_diff(&dst, (W, H, stride), 0, |x, y| model[(y * W + x) as usize]);
+    let diff = dst.diff(|x, y| model[(y * W + x) as usize]);
     let (bad, first_bad) = r.ok("gpu.readback_batch_read", diff)?;
     r.check(
         "gpu.readback_batch_pixels",
@@ -381,7 +373,7 @@ fn readback_batch(r: &mut Report, g: &mut Gpu) -> Option<()> {
         format_args!(
             "{bad} wrong bytes in {} pages ({} discontiguities){first_bad}",
             dst.pages(),
-            discontiguities(&dst)
+            dst.discontiguities()
         ),
     );
     r.ok(

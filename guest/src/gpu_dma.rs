@@ -9,8 +9,7 @@ use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 
 use crate::gpu::fill_batch;
-use crate::gpu_kit::{self, pattern, surface, surface_diff, W};
-use crate::mem::DmaBuf;
+use crate::gpu_kit::{self, pattern, Surface, W};
 use crate::pci::command;
 use crate::report::Report;
 use crate::uio::Uio;
@@ -22,10 +21,9 @@ const STRIDE: u32 = 64 * 4 + 32;
 /// What the guest writes into the readback surface before the device may write it.
 const SENTINEL: u8 = 0xa5;
 
-fn check_untouched(r: &mut Report, name: &str, buf: &DmaBuf, fill: u8) {
-    let (_, _, w, h) = RECT;
-    let v = u32::from_le_bytes([fill; 4]);
-    match surface_diff(buf, (w, h, STRIDE), fill, |_, _| v) {
+fn check_untouched(r: &mut Report, name: &str, surface: &Surface) {
+    let v = u32::from_le_bytes([SENTINEL; 4]);
+    match surface.diff(|_, _| v) {
         Ok((bad, first)) => r.check(
             name,
             bad == 0,
@@ -43,7 +41,7 @@ pub fn run_bme(r: &mut Report) -> Option<()> {
     // scenario before this one does, and this one's error interrupt does), see gpu_kit.
     let mut g = gpu_kit::open(r, "gpu_bme", (0, 0, 96, 40))?;
     let (x, y, w, h) = RECT;
-    let dst = r.ok("gpu_bme.alloc", surface(w, h, STRIDE, SENTINEL))?;
+    let dst = r.ok("gpu_bme.alloc", Surface::new(w, h, STRIDE, SENTINEL))?;
     r.ok("gpu_bme.gtt", g.map(0, &dst, true))?;
     // With Bus Master set the READBACK works, and its pages are now pinned: the pins stay
     // while Bus Master is clear, so nothing but the gate keeps the device off them.
@@ -59,9 +57,7 @@ pub fn run_bme(r: &mut Report) -> Option<()> {
     let model = g.model.clone();
     let (bad, first) = r.ok(
         "gpu_bme.baseline_read",
-        surface_diff(&dst, (w, h, STRIDE), SENTINEL, |xx, yy| {
-            model[((y + yy) * W + x + xx) as usize]
-        }),
+        dst.diff(|xx, yy| model[((y + yy) * W + x + xx) as usize]),
     )?;
     r.check(
         "gpu_bme.baseline_readback",
@@ -69,7 +65,7 @@ pub fn run_bme(r: &mut Report) -> Option<()> {
         format_args!("{bad} wrong bytes{first}"),
     );
     let prep = (|| -> std::io::Result<(u32, u32)> {
-        dst.fill(0, dst.len(), SENTINEL)?;
+        dst.refill()?;
         g.drv.ack(IRQ_ALL)?;
         g.drv.enable_irqs(IRQ_ERROR)?;
         g.uio.wait(Duration::ZERO)?;
@@ -108,7 +104,7 @@ pub fn run_bme(r: &mut Report) -> Option<()> {
         fv.as_ref().is_ok_and(|&v| v == fence0),
         format_args!("FENCE_VALUE {fv:?}, was {fence0}"),
     );
-    check_untouched(r, "gpu_bme.no_dma_write", &dst, SENTINEL);
+    check_untouched(r, "gpu_bme.no_dma_write", &dst);
     g.check_fb(r, "gpu_bme.fb_unchanged");
     g.check_error(r, "gpu_bme.ring_fault", ERR_RING_FAULT, at, n0 + 1);
     r.check(
@@ -128,10 +124,7 @@ pub fn run_bme(r: &mut Report) -> Option<()> {
     r.ok("gpu_bme.again_fence", g.drv.wait_fence(g.fence))?;
     g.model_fill(RECT, color);
     g.check_fb(r, "gpu_bme.again_fb");
-    let (bad, first) = r.ok(
-        "gpu_bme.again_read",
-        surface_diff(&dst, (w, h, STRIDE), SENTINEL, |_, _| color),
-    )?;
+    let (bad, first) = r.ok("gpu_bme.again_read", dst.diff(|_, _| color))?;
     r.check(
         "gpu_bme.again_readback",
         bad == 0,
@@ -179,7 +172,7 @@ pub fn run_plain(r: &mut Report) -> Option<()> {
     g.check_fb(r, "gpu_plain.fill_pixels");
 
     let n0 = r.ok("gpu_plain.count", g.drv.read(REG_ERROR_COUNT))?;
-    let dst = r.ok("gpu_plain.alloc", surface(w, h, STRIDE, SENTINEL))?;
+    let dst = r.ok("gpu_plain.alloc", Surface::new(w, h, STRIDE, SENTINEL))?;
     r.ok("gpu_plain.gtt", g.map(0, &dst, true))?;
     let rb = Command::Readback {
         src_x: x,
@@ -191,16 +184,15 @@ pub fn run_plain(r: &mut Report) -> Option<()> {
     };
     let at = r.ok("gpu_plain.readback_run", g.run(&[rb]))?;
     g.check_error(r, "gpu_plain.readback_refused", ERR_GTT_FAULT, at, n0 + 1);
-    check_untouched(r, "gpu_plain.readback_no_write", &dst, SENTINEL);
+    check_untouched(r, "gpu_plain.readback_no_write", &dst);
     g.ack_error(r, "gpu_plain.readback_ack", n0 + 1);
 
     const SEED: u32 = 0x31_4159;
-    let src = r.ok("gpu_plain.src_alloc", surface(w, h, STRIDE, 0))?;
+    let src = r.ok("gpu_plain.src_alloc", Surface::new(w, h, STRIDE, 0))?;
     let write = (|| -> std::io::Result<()> {
         for yy in 0..h {
             for xx in 0..w {
-                let v = pattern(SEED, xx, yy).to_le_bytes();
-                src.write_at((yy * STRIDE + 4 * xx) as usize, &v)?;
+                src.put(xx, yy, pattern(SEED, xx, yy))?;
             }
         }
         Ok(())
@@ -239,9 +231,10 @@ pub fn run_plain(r: &mut Report) -> Option<()> {
         code.as_ref().is_ok_and(|&c| c == ERR_NONE),
         format_args!("ERROR_CODE {code:?}"),
     );
-    // 2000 FILLs: 48 KB of ring in one DMA_READ. Replies much larger than QEMU's socket
-    // buffer break the connection (QEMU 10.2 drops the unsent rest of a partially written
-    // reply; 216 KB worked, 288 KB did not), so the batch stays well below that.
+    // 2000 FILLs: 48 KB of ring in one DMA_READ. A larger fetch can break the connection:
+    // with QEMU 10.2.2 a 216 KB DMA_READ worked and a 288 KB one was never answered, after
+    // which every message on the socket timed out (QEMU's proxy takes a partial write of
+    // a reply for a complete one, so a reply bigger than the socket buffer is cut short).
     fill_batch(r, &mut g, "gpu_plain", 2000)?;
     g.close(r, "gpu_plain");
     Some(())

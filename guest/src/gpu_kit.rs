@@ -19,7 +19,7 @@ use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{DEVICE_ID, VENDOR_ID};
 
-use crate::mem::{DmaBuf, Ram};
+use crate::mem::{DmaBuf, Ram, PAGE};
 use crate::pci::{command, Mmio, PciDev};
 use crate::report::Report;
 use crate::uio::Uio;
@@ -316,10 +316,11 @@ impl Gpu {
         }
     }
 
-    /// Point GTT entries `first..` at the pages of `buf`, in buffer order.
-    pub fn map(&mut self, first: u32, buf: &DmaBuf, writable: bool) -> io::Result<()> {
-        for k in 0..buf.pages() {
-            self.drv.set_gtt(first + k as u32, buf.addr(k), writable)?;
+    /// Point GTT entries `first..` at the pages of `surface`.
+    pub fn map(&mut self, first: u32, surface: &Surface, writable: bool) -> io::Result<()> {
+        for k in 0..surface.pages() {
+            self.drv
+                .set_gtt(first + k as u32, surface.addr(k), writable)?;
         }
         Ok(())
     }
@@ -336,49 +337,94 @@ impl Gpu {
     }
 }
 
-/// A surface in guest pages: `w × h` pixels, rows `stride` bytes apart, in a fresh
-/// [`DmaBuf`] (physically scattered pages) filled with `fill`.
-pub fn surface(w: u32, h: u32, stride: u32, fill: u8) -> io::Result<DmaBuf> {
-    let span = (h as usize - 1) * stride as usize + 4 * w as usize;
-    let buf = DmaBuf::new(span.div_ceil(crate::mem::PAGE))?;
-    buf.fill(0, buf.len(), fill)?;
-    Ok(buf)
-}
-
-/// How many neighbouring pages of `buf` are not physically consecutive.
-pub fn discontiguities(buf: &DmaBuf) -> usize {
-    (1..buf.pages())
-        .filter(|&k| buf.addr(k) != buf.addr(k - 1) + crate::mem::PAGE as u64)
-        .count()
-}
-
-/// Compare a surface in `buf` with `want(x, y)` for its `w × h` pixels (rows `stride`
-/// apart) and every other byte with `fill`: the number of wrong pixels and bytes, and the
-/// first one.
-pub fn surface_diff(
-    buf: &DmaBuf,
-    (w, h, stride): (u32, u32, u32),
+/// A surface in guest pages behind consecutive GTT entries: `w × h` XRGB8888 pixels, rows
+/// `stride` bytes apart. Surface page `k` is page `2k` of a fresh [`DmaBuf`], so neighbouring
+/// GTT entries point at guest pages that are not physically consecutive whatever order the
+/// guest kernel handed out the buffer's pages in. The pages in between are never given to
+/// the device and must stay as the guest filled them, like every byte outside the pixels.
+pub struct Surface {
+    buf: DmaBuf,
+    pages: usize,
     fill: u8,
-    want: impl Fn(u32, u32) -> u32,
-) -> io::Result<(usize, String)> {
-    let mut bytes = vec![0u8; buf.len()];
-    buf.read_at(0, &mut bytes)?;
-    let mut bad = 0;
-    let mut first = String::new();
-    let mut expect = vec![fill; buf.len()];
-    for y in 0..h {
-        for x in 0..w {
-            let off = (y * stride + 4 * x) as usize;
-            expect[off..off + 4].copy_from_slice(&want(x, y).to_le_bytes());
-        }
+    w: u32,
+    h: u32,
+    stride: u32,
+}
+
+impl Surface {
+    /// A `w × h` surface with rows `stride` bytes apart, every byte `fill`.
+    pub fn new(w: u32, h: u32, stride: u32, fill: u8) -> io::Result<Surface> {
+        let span = (h as usize - 1) * stride as usize + 4 * w as usize;
+        let pages = span.div_ceil(PAGE);
+        let buf = DmaBuf::new(2 * pages)?;
+        let s = Surface {
+            buf,
+            pages,
+            fill,
+            w,
+            h,
+            stride,
+        };
+        s.refill()?;
+        Ok(s)
     }
-    for (off, (g, e)) in bytes.iter().zip(&expect).enumerate() {
-        if g != e {
-            if bad == 0 {
-                first = format!(", first at byte {off:#x}: {g:#04x}, want {e:#04x}");
+
+    /// Number of GTT entries the surface needs.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Guest-physical address of surface page `k`.
+    pub fn addr(&self, k: usize) -> u64 {
+        self.buf.addr(2 * k)
+    }
+
+    /// Buffer offset of surface byte `off`.
+    fn at(off: usize) -> usize {
+        off / PAGE * 2 * PAGE + off % PAGE
+    }
+
+    /// Write pixel (x, y) with the CPU.
+    pub fn put(&self, x: u32, y: u32, v: u32) -> io::Result<()> {
+        let off = (y * self.stride + 4 * x) as usize;
+        self.buf.write_at(Self::at(off), &v.to_le_bytes())
+    }
+
+    /// Every byte back to the fill byte.
+    pub fn refill(&self) -> io::Result<()> {
+        self.buf.fill(0, self.buf.len(), self.fill)
+    }
+
+    /// How many neighbouring surface pages are not physically consecutive.
+    pub fn discontiguities(&self) -> usize {
+        (1..self.pages)
+            .filter(|&k| self.addr(k) != self.addr(k - 1) + PAGE as u64)
+            .count()
+    }
+
+    /// Compare the pixels with `want(x, y)` and every other byte of the buffer (row
+    /// padding, the tail of the last page, the pages in between) with the fill byte: the
+    /// number of wrong bytes and the first one.
+    pub fn diff(&self, want: impl Fn(u32, u32) -> u32) -> io::Result<(usize, String)> {
+        let mut bytes = vec![0u8; self.buf.len()];
+        self.buf.read_at(0, &mut bytes)?;
+        let mut expect = vec![self.fill; self.buf.len()];
+        for y in 0..self.h {
+            for x in 0..self.w {
+                let off = Self::at((y * self.stride + 4 * x) as usize);
+                expect[off..off + 4].copy_from_slice(&want(x, y).to_le_bytes());
             }
-            bad += 1;
         }
+        let mut bad = 0;
+        let mut first = String::new();
+        for (off, (g, e)) in bytes.iter().zip(&expect).enumerate() {
+            if g != e {
+                if bad == 0 {
+                    first = format!(", first at buffer byte {off:#x}: {g:#04x}, want {e:#04x}");
+                }
+                bad += 1;
+            }
+        }
+        Ok((bad, first))
     }
-    Ok((bad, first))
 }
