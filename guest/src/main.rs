@@ -11,6 +11,8 @@
 
 mod ccw;
 mod gpu;
+mod gpu_dma;
+mod gpu_kit;
 mod hello;
 mod mem;
 mod pci;
