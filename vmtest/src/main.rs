@@ -290,7 +290,10 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
     }
     for s in servers {
         let out = s.stop();
-        checks.extend(out.checks(plan.ram == Ram::Plain));
+        // The pin-refusal hint is logged only if a scenario of this device tried to pin.
+        let pinned_fdless = plan.ram == Ram::Plain
+            && scenarios.iter().any(|sc| sc.starts_with(out.kind.name()));
+        checks.extend(out.checks(pinned_fdless));
     }
     // Only now: the ccw server has stopped and flushed its image.
     if !images.is_empty() {

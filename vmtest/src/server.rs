@@ -162,7 +162,7 @@ impl Outcome {
     /// The host-side checks: the server outlived the guest, logged the disconnect with no
     /// pins left behind, stopped cleanly on SIGTERM with nothing mapped or pinned, and never
     /// panicked. `fd_less` adds: pins were refused with the hint to use a memfd backend
-    /// (only for devices that pin).
+    /// (the caller says whether a scenario of this device pinned fd-less memory).
     pub fn checks(&self, fd_less: bool) -> Vec<Check> {
         let dev = self.kind.name();
         let mut v = vec![
