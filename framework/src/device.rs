@@ -7,61 +7,70 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use vfio_bindings::bindings::vfio;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::dma::DmaHandle;
 
-/// vfio-user / VFIO device flag: the device can be reset.
-pub const DEVICE_FLAGS_RESET: u32 = 1 << 0;
-/// vfio-user / VFIO device flag: this is a PCI device.
-pub const DEVICE_FLAGS_PCI: u32 = 1 << 1;
+// The flag and index values are `linux/vfio.h`'s, which vfio-user reuses: they are taken
+// from `vfio-bindings` so that there is one source of truth, under umdev's own names.
 
-/// Region flag: readable.
-pub const REGION_FLAG_READ: u32 = 1 << 0;
-/// Region flag: writable.
-pub const REGION_FLAG_WRITE: u32 = 1 << 1;
-/// Region flag: mmappable (an fd comes with GET_REGION_INFO).
-pub const REGION_FLAG_MMAP: u32 = 1 << 2;
-/// Region flag: a capability chain follows the region info.
-pub const REGION_FLAG_CAPS: u32 = 1 << 3;
+/// vfio-user / VFIO device flag: the device can be reset (`VFIO_DEVICE_FLAGS_RESET`).
+pub const DEVICE_FLAGS_RESET: u32 = vfio::VFIO_DEVICE_FLAGS_RESET;
+/// vfio-user / VFIO device flag: this is a PCI device (`VFIO_DEVICE_FLAGS_PCI`).
+pub const DEVICE_FLAGS_PCI: u32 = vfio::VFIO_DEVICE_FLAGS_PCI;
 
-/// IRQ info flag: eventfds can be attached.
-pub const IRQ_INFO_EVENTFD: u32 = 1 << 0;
-/// IRQ info flag: vectors can be masked.
-pub const IRQ_INFO_MASKABLE: u32 = 1 << 1;
-/// IRQ info flag: the interrupt is masked automatically when it fires (INTx).
-pub const IRQ_INFO_AUTOMASKED: u32 = 1 << 2;
-/// IRQ info flag: the count cannot be changed after setup.
-pub const IRQ_INFO_NORESIZE: u32 = 1 << 3;
+/// Region flag: readable (`VFIO_REGION_INFO_FLAG_READ`).
+pub const REGION_FLAG_READ: u32 = vfio::VFIO_REGION_INFO_FLAG_READ;
+/// Region flag: writable (`VFIO_REGION_INFO_FLAG_WRITE`).
+pub const REGION_FLAG_WRITE: u32 = vfio::VFIO_REGION_INFO_FLAG_WRITE;
+/// Region flag: mmappable, an fd comes with GET_REGION_INFO (`VFIO_REGION_INFO_FLAG_MMAP`).
+pub const REGION_FLAG_MMAP: u32 = vfio::VFIO_REGION_INFO_FLAG_MMAP;
+/// Region flag: a capability chain follows the region info (`VFIO_REGION_INFO_FLAG_CAPS`).
+pub const REGION_FLAG_CAPS: u32 = vfio::VFIO_REGION_INFO_FLAG_CAPS;
 
-/// VFIO PCI IRQ indexes.
+/// IRQ info flag: eventfds can be attached (`VFIO_IRQ_INFO_EVENTFD`).
+pub const IRQ_INFO_EVENTFD: u32 = vfio::VFIO_IRQ_INFO_EVENTFD;
+/// IRQ info flag: vectors can be masked (`VFIO_IRQ_INFO_MASKABLE`).
+pub const IRQ_INFO_MASKABLE: u32 = vfio::VFIO_IRQ_INFO_MASKABLE;
+/// IRQ info flag: the interrupt is masked automatically when it fires, as INTx is
+/// (`VFIO_IRQ_INFO_AUTOMASKED`).
+pub const IRQ_INFO_AUTOMASKED: u32 = vfio::VFIO_IRQ_INFO_AUTOMASKED;
+/// IRQ info flag: the count cannot be changed after setup (`VFIO_IRQ_INFO_NORESIZE`).
+pub const IRQ_INFO_NORESIZE: u32 = vfio::VFIO_IRQ_INFO_NORESIZE;
+
+/// VFIO PCI IRQ indexes (`VFIO_PCI_*_IRQ_INDEX`).
 pub mod irq_index {
+    use vfio_bindings::bindings::vfio;
+
     /// Legacy INTx.
-    pub const INTX: u32 = 0;
+    pub const INTX: u32 = vfio::VFIO_PCI_INTX_IRQ_INDEX;
     /// MSI.
-    pub const MSI: u32 = 1;
+    pub const MSI: u32 = vfio::VFIO_PCI_MSI_IRQ_INDEX;
     /// MSI-X.
-    pub const MSIX: u32 = 2;
+    pub const MSIX: u32 = vfio::VFIO_PCI_MSIX_IRQ_INDEX;
     /// Error notification.
-    pub const ERR: u32 = 3;
+    pub const ERR: u32 = vfio::VFIO_PCI_ERR_IRQ_INDEX;
     /// Device request.
-    pub const REQ: u32 = 4;
-    /// Number of PCI IRQ indexes.
-    pub const COUNT: u32 = 5;
+    pub const REQ: u32 = vfio::VFIO_PCI_REQ_IRQ_INDEX;
+    /// Number of PCI IRQ indexes (`VFIO_PCI_NUM_IRQS`).
+    pub const COUNT: u32 = vfio::VFIO_PCI_NUM_IRQS;
 }
 
-/// VFIO PCI region indexes.
+/// VFIO PCI region indexes (`VFIO_PCI_*_REGION_INDEX`).
 pub mod region_index {
+    use vfio_bindings::bindings::vfio;
+
     /// BAR0..BAR5 are 0..=5.
-    pub const BAR0: u32 = 0;
+    pub const BAR0: u32 = vfio::VFIO_PCI_BAR0_REGION_INDEX;
     /// Expansion ROM.
-    pub const ROM: u32 = 6;
+    pub const ROM: u32 = vfio::VFIO_PCI_ROM_REGION_INDEX;
     /// PCI configuration space.
-    pub const CONFIG: u32 = 7;
+    pub const CONFIG: u32 = vfio::VFIO_PCI_CONFIG_REGION_INDEX;
     /// VGA.
-    pub const VGA: u32 = 8;
-    /// Number of PCI region indexes.
-    pub const COUNT: u32 = 9;
+    pub const VGA: u32 = vfio::VFIO_PCI_VGA_REGION_INDEX;
+    /// Number of PCI region indexes (`VFIO_PCI_NUM_REGIONS`).
+    pub const COUNT: u32 = vfio::VFIO_PCI_NUM_REGIONS;
 }
 
 /// Shared memory behind a region that the client may mmap directly.
@@ -242,5 +251,42 @@ impl<T: Device + ?Sized> Device for Box<T> {
     }
     fn disconnected(&mut self) {
         (**self).disconnected()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_device_constants_keep_their_wire_values() {
+        // The literal values umdev had before they came from vfio-bindings: a change of
+        // the bindings (or of which constant a name points at) would change the wire.
+        let table: [(&str, u32, u32); 21] = [
+            ("DEVICE_FLAGS_RESET", DEVICE_FLAGS_RESET, 1 << 0),
+            ("DEVICE_FLAGS_PCI", DEVICE_FLAGS_PCI, 1 << 1),
+            ("REGION_FLAG_READ", REGION_FLAG_READ, 1 << 0),
+            ("REGION_FLAG_WRITE", REGION_FLAG_WRITE, 1 << 1),
+            ("REGION_FLAG_MMAP", REGION_FLAG_MMAP, 1 << 2),
+            ("REGION_FLAG_CAPS", REGION_FLAG_CAPS, 1 << 3),
+            ("IRQ_INFO_EVENTFD", IRQ_INFO_EVENTFD, 1 << 0),
+            ("IRQ_INFO_MASKABLE", IRQ_INFO_MASKABLE, 1 << 1),
+            ("IRQ_INFO_AUTOMASKED", IRQ_INFO_AUTOMASKED, 1 << 2),
+            ("IRQ_INFO_NORESIZE", IRQ_INFO_NORESIZE, 1 << 3),
+            ("irq_index::INTX", irq_index::INTX, 0),
+            ("irq_index::MSI", irq_index::MSI, 1),
+            ("irq_index::MSIX", irq_index::MSIX, 2),
+            ("irq_index::ERR", irq_index::ERR, 3),
+            ("irq_index::REQ", irq_index::REQ, 4),
+            ("irq_index::COUNT", irq_index::COUNT, 5),
+            ("region_index::BAR0", region_index::BAR0, 0),
+            ("region_index::ROM", region_index::ROM, 6),
+            ("region_index::CONFIG", region_index::CONFIG, 7),
+            ("region_index::VGA", region_index::VGA, 8),
+            ("region_index::COUNT", region_index::COUNT, 9),
+        ];
+        for (name, value, wire) in table {
+            assert_eq!(value, wire, "{name}");
+        }
     }
 }

@@ -2,25 +2,30 @@
 //! DEVICE_GET_REGION_IO_FDS and DEVICE_GET_IRQ_INFO.
 
 use vfio_bindings::bindings::vfio::{
-    vfio_region_info, VFIO_REGION_INFO_CAP_SPARSE_MMAP, VFIO_REGION_INFO_FLAG_CAPS,
+    vfio_irq_info, vfio_region_info, vfio_region_info_cap_sparse_mmap,
+    vfio_region_sparse_mmap_area, VFIO_REGION_INFO_CAP_SPARSE_MMAP, VFIO_REGION_INFO_FLAG_CAPS,
     VFIO_REGION_INFO_FLAG_MMAP,
 };
 
 use super::wire::{Put, Reader};
 use super::ProtocolError;
 
-/// Size of the DEVICE_GET_INFO payload (request and reply).
+/// Size of the DEVICE_GET_INFO payload (request and reply): argsz, flags, num_regions,
+/// num_irqs. vfio-user's own layout: `linux/vfio.h`'s `struct vfio_device_info` has a
+/// cap_offset and padding after them (24 bytes), which vfio-user does not send.
 pub const DEVICE_INFO_SIZE: usize = 16;
 /// Size of `struct vfio_region_info`, the fixed part of GET_REGION_INFO.
 pub const REGION_INFO_SIZE: usize = std::mem::size_of::<vfio_region_info>();
-/// Size of the sparse-mmap capability header (cap header 8 + nr_areas 4 + reserved 4).
-pub const SPARSE_CAP_HEADER_SIZE: usize = 16;
-/// Size of one sparse-mmap area (offset 8 + size 8).
-pub const SPARSE_AREA_SIZE: usize = 16;
-/// Size of the GET_REGION_IO_FDS fixed part (request and reply).
+/// Size of the sparse-mmap capability header (cap header 8 + nr_areas 4 + reserved 4):
+/// `struct vfio_region_info_cap_sparse_mmap` without its areas.
+pub const SPARSE_CAP_HEADER_SIZE: usize = std::mem::size_of::<vfio_region_info_cap_sparse_mmap>();
+/// Size of one sparse-mmap area (offset 8 + size 8): `struct vfio_region_sparse_mmap_area`.
+pub const SPARSE_AREA_SIZE: usize = std::mem::size_of::<vfio_region_sparse_mmap_area>();
+/// Size of the GET_REGION_IO_FDS fixed part (request and reply). vfio-user only (no
+/// counterpart in `linux/vfio.h`).
 pub const REGION_IO_FDS_SIZE: usize = 16;
-/// Size of the GET_IRQ_INFO payload (request and reply).
-pub const IRQ_INFO_SIZE: usize = 16;
+/// Size of the GET_IRQ_INFO payload (request and reply): `struct vfio_irq_info`.
+pub const IRQ_INFO_SIZE: usize = std::mem::size_of::<vfio_irq_info>();
 
 fn no_fds(what: &'static str, nfds: usize) -> Result<(), ProtocolError> {
     if nfds != 0 {

@@ -1,24 +1,34 @@
 //! DMA_MAP and DMA_UNMAP requests and the DMA_UNMAP reply.
 
+use vfio_bindings::bindings::vfio::{
+    vfio_iommu_type1_dma_unmap, VFIO_DMA_MAP_FLAG_READ, VFIO_DMA_MAP_FLAG_WRITE,
+    VFIO_DMA_UNMAP_FLAG_ALL, VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP, VFIO_DMA_UNMAP_FLAG_VADDR,
+};
+
 use super::wire::{Put, Reader};
 use super::ProtocolError;
 
-/// DMA_MAP flag: the device may read the region.
-pub const DMA_MAP_FLAG_READ: u32 = 1 << 0;
-/// DMA_MAP flag: the device may write the region.
-pub const DMA_MAP_FLAG_WRITE: u32 = 1 << 1;
-/// Size of the DMA_MAP payload.
+/// DMA_MAP flag: the device may read the region (`VFIO_DMA_MAP_FLAG_READ`).
+pub const DMA_MAP_FLAG_READ: u32 = VFIO_DMA_MAP_FLAG_READ;
+/// DMA_MAP flag: the device may write the region (`VFIO_DMA_MAP_FLAG_WRITE`).
+pub const DMA_MAP_FLAG_WRITE: u32 = VFIO_DMA_MAP_FLAG_WRITE;
+/// Size of the DMA_MAP payload: argsz, flags, offset, iova, size. vfio-user's own layout
+/// (`linux/vfio.h`'s `vfio_iommu_type1_dma_map` has the same size but a vaddr where
+/// vfio-user has the file offset), so it is not taken from the bindings.
 pub const DMA_MAP_SIZE: usize = 32;
-/// Size of the DMA_UNMAP payload (and of its reply).
-pub const DMA_UNMAP_SIZE: usize = 24;
+/// Size of the DMA_UNMAP payload (and of its reply): `struct vfio_iommu_type1_dma_unmap`
+/// without the dirty bitmap.
+pub const DMA_UNMAP_SIZE: usize = std::mem::size_of::<vfio_iommu_type1_dma_unmap>();
 /// DMA_UNMAP flag "unmap everything" (`VFIO_DMA_UNMAP_FLAG_ALL` of `linux/vfio.h`, also
 /// libvfio-user's value). QEMU 10.x sends it, with iova 0 and size 0, when a 2^64-byte
 /// section goes away.
-pub const DMA_UNMAP_FLAG_ALL: u32 = 1 << 1;
-/// Legacy DMA_UNMAP flag bits umdev does not implement: GET_DIRTY_BITMAP (1) and bit 2
-/// (VADDR in `linux/vfio.h`, UNMAP_ALL in the `vfio_user` crate, whose bit values disagree
-/// with everybody else's). Answered with ENOTSUP.
-pub const DMA_UNMAP_LEGACY_FLAGS: u32 = 0x7;
+pub const DMA_UNMAP_FLAG_ALL: u32 = VFIO_DMA_UNMAP_FLAG_ALL;
+/// Every DMA_UNMAP flag bit `linux/vfio.h` defines: GET_DIRTY_BITMAP, ALL and VADDR. Of
+/// them umdev implements only ALL ([`DMA_UNMAP_FLAG_ALL`]); the other two are answered
+/// with ENOTSUP (bit 2 is also UNMAP_ALL in the `vfio_user` crate, whose bit values
+/// disagree with everybody else's). A bit outside this mask is EINVAL.
+pub const DMA_UNMAP_LEGACY_FLAGS: u32 =
+    VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP | VFIO_DMA_UNMAP_FLAG_ALL | VFIO_DMA_UNMAP_FLAG_VADDR;
 
 /// A validated DMA_MAP request (the fd travels separately).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

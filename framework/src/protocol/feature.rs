@@ -2,6 +2,8 @@
 //! MIG_DATA_READ/WRITE (ENOTSUP until migration exists).
 
 use vfio_bindings::bindings::vfio::{
+    vfio_device_feature, vfio_device_feature_dma_logging_control,
+    vfio_device_feature_dma_logging_range, vfio_device_feature_dma_logging_report,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
     VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
@@ -10,8 +12,21 @@ use vfio_bindings::bindings::vfio::{
 use super::wire::{Put, Reader};
 use super::ProtocolError;
 
-/// Size of the DEVICE_FEATURE fixed part (argsz, flags).
-pub const FEATURE_HEADER_SIZE: usize = 8;
+/// Size of the DEVICE_FEATURE fixed part (argsz, flags): `struct vfio_device_feature`
+/// without its data.
+pub const FEATURE_HEADER_SIZE: usize = std::mem::size_of::<vfio_device_feature>();
+/// DMA_LOGGING_START's fixed part (page_size, num_ranges, reserved): the kernel's
+/// `struct vfio_device_feature_dma_logging_control` up to its `ranges` pointer, in whose
+/// place vfio-user sends the ranges inline.
+const LOGGING_CONTROL_SIZE: usize =
+    std::mem::offset_of!(vfio_device_feature_dma_logging_control, ranges);
+/// One DMA logging range (iova, length): `struct vfio_device_feature_dma_logging_range`.
+const LOGGING_RANGE_SIZE: usize = std::mem::size_of::<vfio_device_feature_dma_logging_range>();
+/// DMA_LOGGING_REPORT's fixed part (iova, length, page_size): the kernel's
+/// `struct vfio_device_feature_dma_logging_report` up to its `bitmap` pointer; vfio-user
+/// returns the bitmap inline instead.
+const LOGGING_REPORT_SIZE: usize =
+    std::mem::offset_of!(vfio_device_feature_dma_logging_report, bitmap);
 /// Most ranges umdev accepts in DMA_LOGGING_START.
 pub const MAX_LOGGING_RANGES: u32 = 1024;
 
@@ -104,10 +119,12 @@ pub fn decode_feature(
                     format!("{num_ranges} > {MAX_LOGGING_RANGES}"),
                 ));
             }
-            if r.remaining() != num_ranges as usize * 16 {
+            if r.remaining() != num_ranges as usize * LOGGING_RANGE_SIZE {
                 return Err(ProtocolError::BadPayloadSize {
                     what: "DMA_LOGGING_START",
-                    expected: FEATURE_HEADER_SIZE + 16 + num_ranges as usize * 16,
+                    expected: FEATURE_HEADER_SIZE
+                        + LOGGING_CONTROL_SIZE
+                        + num_ranges as usize * LOGGING_RANGE_SIZE,
                     got: payload.len(),
                 });
             }
@@ -139,7 +156,7 @@ pub fn decode_feature(
             if r.remaining() != 0 {
                 return Err(ProtocolError::BadPayloadSize {
                     what: "DMA_LOGGING_REPORT",
-                    expected: FEATURE_HEADER_SIZE + 24,
+                    expected: FEATURE_HEADER_SIZE + LOGGING_REPORT_SIZE,
                     got: payload.len(),
                 });
             }
@@ -158,7 +175,7 @@ pub fn decode_feature(
                 });
             }
             let bitmap_len = bitmap_len as usize;
-            let need = FEATURE_HEADER_SIZE + 24 + bitmap_len;
+            let need = FEATURE_HEADER_SIZE + LOGGING_REPORT_SIZE + bitmap_len;
             if (argsz as usize) < need {
                 return Err(ProtocolError::ArgszTooSmall {
                     what: "DMA_LOGGING_REPORT",
@@ -211,6 +228,21 @@ pub fn decode_mig_data(payload: &[u8], write: bool) -> Result<(), ProtocolError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_logging_layout_sizes_keep_their_values() {
+        // The literals these sizes replaced (vfio-user's inline layouts of the kernel
+        // structs): START is page_size + num_ranges + reserved, then 16-byte ranges;
+        // REPORT is iova + length + page_size, then the bitmap.
+        assert_eq!(
+            (
+                LOGGING_CONTROL_SIZE,
+                LOGGING_RANGE_SIZE,
+                LOGGING_REPORT_SIZE
+            ),
+            (16, 16, 24)
+        );
+    }
 
     #[test]
     fn test_feature_probe_logging_ok_migration_enotsup() {

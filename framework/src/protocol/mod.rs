@@ -38,3 +38,62 @@ pub fn encode_message(header: &Header, payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(payload);
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_wire_constants_keep_their_values() {
+        // The literal values umdev had before the `linux/vfio.h` ones came from
+        // vfio-bindings: a change there (or a name pointing at the wrong constant) would
+        // change the wire.
+        let table: [(&str, u64, u64); 14] = [
+            (
+                "DMA_MAP_FLAG_READ",
+                dma_map::DMA_MAP_FLAG_READ.into(),
+                1 << 0,
+            ),
+            (
+                "DMA_MAP_FLAG_WRITE",
+                dma_map::DMA_MAP_FLAG_WRITE.into(),
+                1 << 1,
+            ),
+            ("DMA_MAP_SIZE", dma_map::DMA_MAP_SIZE as u64, 32),
+            ("DMA_UNMAP_SIZE", dma_map::DMA_UNMAP_SIZE as u64, 24),
+            (
+                "DMA_UNMAP_FLAG_ALL",
+                dma_map::DMA_UNMAP_FLAG_ALL.into(),
+                1 << 1,
+            ),
+            (
+                "DMA_UNMAP_LEGACY_FLAGS",
+                dma_map::DMA_UNMAP_LEGACY_FLAGS.into(),
+                0x7,
+            ),
+            ("DEVICE_INFO_SIZE", device_info::DEVICE_INFO_SIZE as u64, 16),
+            ("REGION_INFO_SIZE", device_info::REGION_INFO_SIZE as u64, 32),
+            (
+                "SPARSE_CAP_HEADER_SIZE",
+                device_info::SPARSE_CAP_HEADER_SIZE as u64,
+                16,
+            ),
+            ("SPARSE_AREA_SIZE", device_info::SPARSE_AREA_SIZE as u64, 16),
+            (
+                "REGION_IO_FDS_SIZE",
+                device_info::REGION_IO_FDS_SIZE as u64,
+                16,
+            ),
+            ("IRQ_INFO_SIZE", device_info::IRQ_INFO_SIZE as u64, 16),
+            ("SET_IRQS_SIZE", set_irqs::SET_IRQS_SIZE as u64, 20),
+            (
+                "FEATURE_HEADER_SIZE",
+                feature::FEATURE_HEADER_SIZE as u64,
+                8,
+            ),
+        ];
+        for (name, value, wire) in table {
+            assert_eq!(value, wire, "{name}");
+        }
+    }
+}

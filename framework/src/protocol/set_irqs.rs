@@ -1,9 +1,9 @@
 //! DEVICE_SET_IRQS: action × data validation.
 
 use vfio_bindings::bindings::vfio::{
-    VFIO_IRQ_SET_ACTION_MASK, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_TYPE_MASK,
-    VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_BOOL, VFIO_IRQ_SET_DATA_EVENTFD,
-    VFIO_IRQ_SET_DATA_NONE, VFIO_IRQ_SET_DATA_TYPE_MASK,
+    vfio_irq_set, VFIO_IRQ_SET_ACTION_MASK, VFIO_IRQ_SET_ACTION_TRIGGER,
+    VFIO_IRQ_SET_ACTION_TYPE_MASK, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_BOOL,
+    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE, VFIO_IRQ_SET_DATA_TYPE_MASK,
 };
 
 use super::wire::{Put, Reader};
@@ -11,7 +11,7 @@ use super::ProtocolError;
 use crate::device::IrqAction;
 
 /// Size of the fixed SET_IRQS payload (`struct vfio_irq_set` without data).
-pub const SET_IRQS_SIZE: usize = 20;
+pub const SET_IRQS_SIZE: usize = std::mem::size_of::<vfio_irq_set>();
 
 /// The data kind of a SET_IRQS request, before fds are attached.
 #[derive(Debug, Clone, PartialEq, Eq)]

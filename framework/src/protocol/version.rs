@@ -1,6 +1,32 @@
 //! VFIO_USER_VERSION: version numbers and the JSON capabilities.
+//!
+//! The JSON travels as typed structs with serde derive, in both directions:
+//! `{"capabilities": {...}}` is [`VersionJson`] holding a [`CapsJson`]. Every key is an
+//! `Option`: `None` is an absent key, which means the spec default on decode and "not
+//! answered" on encode (the reply holds only the keys the client offered; `None` fields
+//! are skipped, and the others come out in the structs' field order).
+//!
+//! Decoding rules (each a `BadCapabilities` → `EINVAL` when broken):
+//! - the text is parsed into a `serde_json::Value` first and the structs are deserialized
+//!   from it, so a key that appears twice in one object keeps its last value (a JSON
+//!   object's usual reading, and what umdev always did) and errors carry no position;
+//! - a known key of the wrong type, `null` included, is refused with a message that starts
+//!   with the key's path (`twin_socket.fd_index: invalid type: ...`): each key has its own
+//!   `deserialize_with` function in [`key`] for that;
+//! - `capabilities`, `twin_socket` and the top level must be JSON objects ([`object`]: a
+//!   derived struct alone would also take an array of its fields);
+//! - unknown keys are ignored at every level;
+//! - `migration` is accepted whatever it holds (umdev never validated it, has no
+//!   migration and never echoes it); only its `max_bitmap_size` is read, when it is a u64.
 
-use serde_json::{Map, Value};
+use std::cell::Cell;
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{Error as _, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
 
 use super::wire::{Put, Reader};
 use super::ProtocolError;
@@ -92,14 +118,211 @@ pub struct Version {
     pub caps: Capabilities,
 }
 
-fn cap_u32(obj: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, ProtocolError> {
-    match obj.get(key) {
-        None => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .map(Some)
-            .ok_or_else(|| ProtocolError::BadCapabilities(format!("{key} must be a u32"))),
+/// The whole VERSION JSON. In a reply `capabilities` is always there (possibly empty): the
+/// `vfio_user` crate's client requires it.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+struct VersionJson {
+    #[serde(deserialize_with = "key::capabilities")]
+    capabilities: Option<CapsJson>,
+}
+
+/// The `capabilities` object. The field order is the reply's key order.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+struct CapsJson {
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::max_msg_fds"
+    )]
+    max_msg_fds: Option<u32>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::max_data_xfer_size"
+    )]
+    max_data_xfer_size: Option<u32>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::max_dma_maps"
+    )]
+    max_dma_maps: Option<u32>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::pgsizes"
+    )]
+    pgsizes: Option<u64>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::write_multiple"
+    )]
+    write_multiple: Option<bool>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::twin_socket"
+    )]
+    twin_socket: Option<TwinSocketJson>,
+    /// Read (presence and `max_bitmap_size`), never written.
+    #[serde(skip_serializing, deserialize_with = "key::migration")]
+    migration: Option<MigrationJson>,
+}
+
+/// `capabilities.twin_socket`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+struct TwinSocketJson {
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::twin_socket_supported"
+    )]
+    supported: Option<bool>,
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::twin_socket_fd_index"
+    )]
+    fd_index: Option<u32>,
+}
+
+/// What umdev reads of `capabilities.migration`.
+#[derive(Debug, Default)]
+struct MigrationJson {
+    max_bitmap_size: Option<u64>,
+}
+
+/// One `deserialize_with` function per key. A present key is `Some` even when its value
+/// is `null` (which then fails its type, as an absent key does not), and the error of a
+/// value of the wrong type starts with the key's path.
+mod key {
+    use super::{object, typed, CapsJson, MigrationJson, TwinSocketJson};
+    use serde::{Deserialize, Deserializer};
+    use serde_json::Value;
+
+    macro_rules! keys {
+        ($($name:ident: $ty:ty = $path:literal by $how:ident;)*) => {$(
+            pub(super) fn $name<'de, D: Deserializer<'de>>(d: D) -> Result<Option<$ty>, D::Error> {
+                $how(d, $path).map(Some)
+            }
+        )*};
+    }
+
+    keys! {
+        capabilities: CapsJson = "capabilities" by object;
+        max_msg_fds: u32 = "max_msg_fds" by typed;
+        max_data_xfer_size: u32 = "max_data_xfer_size" by typed;
+        max_dma_maps: u32 = "max_dma_maps" by typed;
+        pgsizes: u64 = "pgsizes" by typed;
+        write_multiple: bool = "write_multiple" by typed;
+        twin_socket: TwinSocketJson = "twin_socket" by object;
+        twin_socket_supported: bool = "twin_socket.supported" by typed;
+        twin_socket_fd_index: u32 = "twin_socket.fd_index" by typed;
+    }
+
+    /// Anything is accepted; `max_bitmap_size` is kept when it is a u64.
+    pub(super) fn migration<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<MigrationJson>, D::Error> {
+        let v = Value::deserialize(d)?;
+        Ok(Some(MigrationJson {
+            max_bitmap_size: v.get("max_bitmap_size").and_then(Value::as_u64),
+        }))
+    }
+}
+
+/// A scalar key's value as `T`; the error is prefixed with the key's path.
+fn typed<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    path: &'static str,
+) -> Result<T, D::Error> {
+    T::deserialize(d).map_err(|e| D::Error::custom(format_args!("{path}: {e}")))
+}
+
+/// A derived struct from a JSON object only (not from an array of its fields). A value
+/// that is not an object gets an error prefixed with `path`; errors of the keys inside
+/// pass through unchanged (they name their own key).
+fn object<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+    path: &'static str,
+) -> Result<T, D::Error> {
+    struct ObjectVisitor<'a, T> {
+        entered: &'a Cell<bool>,
+        _t: PhantomData<T>,
+    }
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectVisitor<'_, T> {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+            self.entered.set(true);
+            T::deserialize(MapAccessDeserializer::new(map))
+        }
+    }
+    let entered = Cell::new(false);
+    d.deserialize_map(ObjectVisitor {
+        entered: &entered,
+        _t: PhantomData,
+    })
+    .map_err(|e| {
+        if entered.get() {
+            e
+        } else {
+            D::Error::custom(format_args!("{path}: {e}"))
+        }
+    })
+}
+
+impl From<CapsJson> for Capabilities {
+    fn from(j: CapsJson) -> Self {
+        let d = Capabilities::default();
+        Capabilities {
+            max_msg_fds: j.max_msg_fds.unwrap_or(d.max_msg_fds),
+            max_data_xfer_size: j.max_data_xfer_size.unwrap_or(d.max_data_xfer_size),
+            max_dma_maps: j.max_dma_maps.unwrap_or(d.max_dma_maps),
+            pgsizes: j.pgsizes.unwrap_or(d.pgsizes),
+            twin_socket: j
+                .twin_socket
+                .as_ref()
+                .and_then(|t| t.supported)
+                .unwrap_or(false),
+            twin_socket_fd_index: j.twin_socket.as_ref().and_then(|t| t.fd_index),
+            write_multiple: j.write_multiple.unwrap_or(false),
+            migration: j.migration.is_some(),
+            migration_max_bitmap_size: j.migration.and_then(|m| m.max_bitmap_size),
+            present: Present {
+                max_msg_fds: j.max_msg_fds.is_some(),
+                max_data_xfer_size: j.max_data_xfer_size.is_some(),
+                max_dma_maps: j.max_dma_maps.is_some(),
+                pgsizes: j.pgsizes.is_some(),
+                twin_socket: j.twin_socket.is_some(),
+                write_multiple: j.write_multiple.is_some(),
+            },
+        }
+    }
+}
+
+impl From<&Capabilities> for CapsJson {
+    /// The keys marked in `present`; twin_socket carries `fd_index` only when it is
+    /// supported and has one. `migration` is never written.
+    fn from(c: &Capabilities) -> Self {
+        let p = &c.present;
+        let twin_socket = match c.twin_socket_fd_index {
+            Some(i) if c.twin_socket => TwinSocketJson {
+                supported: Some(true),
+                fd_index: Some(i),
+            },
+            _ => TwinSocketJson {
+                supported: Some(false),
+                fd_index: None,
+            },
+        };
+        CapsJson {
+            max_msg_fds: p.max_msg_fds.then_some(c.max_msg_fds),
+            max_data_xfer_size: p.max_data_xfer_size.then_some(c.max_data_xfer_size),
+            max_dma_maps: p.max_dma_maps.then_some(c.max_dma_maps),
+            pgsizes: p.pgsizes.then_some(c.pgsizes),
+            write_multiple: p.write_multiple.then_some(c.write_multiple),
+            twin_socket: p.twin_socket.then_some(twin_socket),
+            migration: None,
+        }
     }
 }
 
@@ -115,9 +338,8 @@ impl Version {
     }
 
     fn parse_caps(json: &[u8]) -> Result<Capabilities, ProtocolError> {
-        let mut caps = Capabilities::default();
         if json.is_empty() {
-            return Ok(caps);
+            return Ok(Capabilities::default());
         }
         let Some((&0, text)) = json.split_last() else {
             return Err(ProtocolError::BadCapabilities(
@@ -128,61 +350,13 @@ impl Version {
             .map_err(|_| ProtocolError::BadCapabilities("version data is not UTF-8".into()))?;
         let text = text.trim_end_matches('\0');
         if text.is_empty() {
-            return Ok(caps);
+            return Ok(Capabilities::default());
         }
         let v: Value = serde_json::from_str(text)
             .map_err(|e| ProtocolError::BadCapabilities(format!("invalid JSON: {e}")))?;
-        let top = v.as_object().ok_or_else(|| {
-            ProtocolError::BadCapabilities("version data is not an object".into())
-        })?;
-        let Some(c) = top.get("capabilities") else {
-            return Ok(caps);
-        };
-        let c = c.as_object().ok_or_else(|| {
-            ProtocolError::BadCapabilities("capabilities is not an object".into())
-        })?;
-        if let Some(n) = cap_u32(c, "max_msg_fds")? {
-            caps.max_msg_fds = n;
-            caps.present.max_msg_fds = true;
-        }
-        if let Some(n) = cap_u32(c, "max_data_xfer_size")? {
-            caps.max_data_xfer_size = n;
-            caps.present.max_data_xfer_size = true;
-        }
-        if let Some(n) = cap_u32(c, "max_dma_maps")? {
-            caps.max_dma_maps = n;
-            caps.present.max_dma_maps = true;
-        }
-        if let Some(v) = c.get("pgsizes") {
-            caps.pgsizes = v
-                .as_u64()
-                .ok_or_else(|| ProtocolError::BadCapabilities("pgsizes must be a number".into()))?;
-            caps.present.pgsizes = true;
-        }
-        if let Some(v) = c.get("write_multiple") {
-            caps.write_multiple = v.as_bool().ok_or_else(|| {
-                ProtocolError::BadCapabilities("write_multiple must be a boolean".into())
-            })?;
-            caps.present.write_multiple = true;
-        }
-        if let Some(v) = c.get("twin_socket") {
-            let t = v.as_object().ok_or_else(|| {
-                ProtocolError::BadCapabilities("twin_socket must be an object".into())
-            })?;
-            caps.present.twin_socket = true;
-            caps.twin_socket = match t.get("supported") {
-                None => false,
-                Some(b) => b.as_bool().ok_or_else(|| {
-                    ProtocolError::BadCapabilities("twin_socket.supported must be a boolean".into())
-                })?,
-            };
-            caps.twin_socket_fd_index = cap_u32(t, "fd_index")?;
-        }
-        if let Some(m) = c.get("migration") {
-            caps.migration = true;
-            caps.migration_max_bitmap_size = m.get("max_bitmap_size").and_then(Value::as_u64);
-        }
-        Ok(caps)
+        let json: VersionJson = object(v, "version data")
+            .map_err(|e: serde_json::Error| ProtocolError::BadCapabilities(e.to_string()))?;
+        Ok(json.capabilities.unwrap_or_default().into())
     }
 
     /// Encode a VERSION payload; the JSON holds only the keys marked present in
@@ -196,35 +370,16 @@ impl Version {
         out
     }
 
-    /// The JSON text (no NUL) of [`Version::encode_payload`].
+    /// The JSON text (no NUL) of [`Version::encode_payload`]: `{"capabilities":{...}}`
+    /// with the present keys in the order max_msg_fds, max_data_xfer_size, max_dma_maps,
+    /// pgsizes, write_multiple, twin_socket.
     pub fn caps_json(&self) -> String {
-        let c = &self.caps;
-        let p = &c.present;
-        let mut parts: Vec<String> = Vec::new();
-        if p.max_msg_fds {
-            parts.push(format!("\"max_msg_fds\":{}", c.max_msg_fds));
-        }
-        if p.max_data_xfer_size {
-            parts.push(format!("\"max_data_xfer_size\":{}", c.max_data_xfer_size));
-        }
-        if p.max_dma_maps {
-            parts.push(format!("\"max_dma_maps\":{}", c.max_dma_maps));
-        }
-        if p.pgsizes {
-            parts.push(format!("\"pgsizes\":{}", c.pgsizes));
-        }
-        if p.write_multiple {
-            parts.push(format!("\"write_multiple\":{}", c.write_multiple));
-        }
-        if p.twin_socket {
-            match c.twin_socket_fd_index {
-                Some(i) if c.twin_socket => parts.push(format!(
-                    "\"twin_socket\":{{\"supported\":true,\"fd_index\":{i}}}"
-                )),
-                _ => parts.push("\"twin_socket\":{\"supported\":false}".to_string()),
-            }
-        }
-        format!("{{\"capabilities\":{{{}}}}}", parts.join(","))
+        let json = VersionJson {
+            capabilities: Some(CapsJson::from(&self.caps)),
+        };
+        // Structs of integers, booleans and options with string keys: serde_json cannot
+        // fail on them.
+        serde_json::to_string(&json).expect("the VERSION JSON always serializes")
     }
 }
 
@@ -351,6 +506,7 @@ pub fn negotiate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const QEMU_CAPS: &str = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":1048576,\"pgsizes\":4096,\"max_dma_maps\":65535,\"migration\":{\"pgsize\":4096,\"max_bitmap_size\":268435456},\"write_multiple\":true}}";
 
@@ -454,6 +610,289 @@ mod tests {
         let back = Version::decode(&n.reply.encode_payload()).unwrap();
         assert!(back.caps.twin_socket);
         assert_eq!(back.caps.twin_socket_fd_index, Some(0));
+    }
+
+    fn caps_of(json: &str) -> Result<Capabilities, ProtocolError> {
+        Version::decode(&payload(0, 0, json)).map(|v| v.caps)
+    }
+
+    /// JSON values of every type but the one a key wants, by the wanted type.
+    fn wrong_values(wanted: &str) -> &'static [&'static str] {
+        match wanted {
+            "u32" => &[
+                "null",
+                "true",
+                "\"16\"",
+                "[]",
+                "[16]",
+                "{}",
+                "1.5",
+                "16.0",
+                "1e3",
+                "-1",
+                "4294967296",
+            ],
+            "u64" => &[
+                "null",
+                "false",
+                "\"4096\"",
+                "[4096]",
+                "{}",
+                "4096.0",
+                "-4096",
+                "18446744073709551616",
+            ],
+            "bool" => &["null", "0", "1", "\"true\"", "[true]", "{}"],
+            "object" => &["null", "true", "1", "\"x\"", "[]", "[true,0]", "[{}]"],
+            _ => unreachable!("no such type {wanted}"),
+        }
+    }
+
+    #[test]
+    fn test_version_decode_known_key_of_wrong_type_rejected_naming_it() {
+        // (key path as the message names it, wanted type, JSON with the value at `V`)
+        let table: [(&str, &str, &str); 10] = [
+            ("version data", "object", "V"),
+            ("capabilities", "object", "{\"capabilities\":V}"),
+            (
+                "max_msg_fds",
+                "u32",
+                "{\"capabilities\":{\"max_msg_fds\":V}}",
+            ),
+            (
+                "max_data_xfer_size",
+                "u32",
+                "{\"capabilities\":{\"max_data_xfer_size\":V}}",
+            ),
+            (
+                "max_dma_maps",
+                "u32",
+                "{\"capabilities\":{\"max_dma_maps\":V}}",
+            ),
+            ("pgsizes", "u64", "{\"capabilities\":{\"pgsizes\":V}}"),
+            (
+                "write_multiple",
+                "bool",
+                "{\"capabilities\":{\"write_multiple\":V}}",
+            ),
+            (
+                "twin_socket",
+                "object",
+                "{\"capabilities\":{\"twin_socket\":V}}",
+            ),
+            (
+                "twin_socket.supported",
+                "bool",
+                "{\"capabilities\":{\"max_msg_fds\":4,\"twin_socket\":{\"supported\":V}}}",
+            ),
+            (
+                "twin_socket.fd_index",
+                "u32",
+                "{\"capabilities\":{\"twin_socket\":{\"supported\":true,\"fd_index\":V}}}",
+            ),
+        ];
+        for (path, wanted, template) in table {
+            for bad in wrong_values(wanted) {
+                let json = template.replace('V', bad);
+                let err = caps_of(&json).unwrap_err();
+                assert_eq!(err.errno(), libc::EINVAL, "{json}");
+                let ProtocolError::BadCapabilities(msg) = &err else {
+                    panic!("{json}: {err:?}");
+                };
+                assert!(msg.starts_with(&format!("{path}: ")), "{json}: {msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn test_version_decode_known_keys_at_their_bounds_accepted() {
+        let c = caps_of(
+            "{\"capabilities\":{\"max_msg_fds\":0,\"max_data_xfer_size\":4294967295,\
+             \"max_dma_maps\":4294967295,\"pgsizes\":18446744073709551615,\
+             \"write_multiple\":false,\"twin_socket\":{\"fd_index\":4294967295}}}",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.max_msg_fds,
+                c.max_data_xfer_size,
+                c.max_dma_maps,
+                c.pgsizes
+            ),
+            (0, u32::MAX, u32::MAX, u64::MAX)
+        );
+        assert!(!c.write_multiple && c.present.write_multiple);
+        assert!(!c.twin_socket, "supported absent means false");
+        assert!(c.present.twin_socket);
+        assert_eq!(c.twin_socket_fd_index, Some(u32::MAX));
+    }
+
+    #[test]
+    fn test_version_decode_unknown_keys_inside_known_objects_ignored() {
+        let c = caps_of(
+            "{\"capabilities\":{\"twin_socket\":{\"supported\":true,\"x\":[{}]},\
+             \"migration\":{\"pgsize\":\"any\",\"y\":null}},\"z\":{\"w\":1}}",
+        )
+        .unwrap();
+        assert!(c.twin_socket && c.present.twin_socket);
+        assert_eq!(c.twin_socket_fd_index, None);
+        assert!(c.migration);
+        assert_eq!(c.migration_max_bitmap_size, None);
+    }
+
+    #[test]
+    fn test_version_decode_migration_of_any_shape_accepted_never_echoed() {
+        for (m, bitmap) in [
+            ("null", None),
+            ("5", None),
+            ("[1]", None),
+            ("{\"max_bitmap_size\":\"big\"}", None),
+            ("{\"max_bitmap_size\":-1}", None),
+            ("{\"max_bitmap_size\":7}", Some(7)),
+        ] {
+            let json = format!("{{\"capabilities\":{{\"migration\":{m},\"max_dma_maps\":9}}}}");
+            let v = Version::decode(&payload(0, 0, &json)).unwrap();
+            assert!(v.caps.migration, "{json}");
+            assert_eq!(v.caps.migration_max_bitmap_size, bitmap, "{json}");
+            assert_eq!(v.caps_json(), "{\"capabilities\":{\"max_dma_maps\":9}}");
+        }
+    }
+
+    #[test]
+    fn test_version_decode_repeated_key_keeps_last_value() {
+        // JSON objects read as a map: the last of a repeated key wins, and an earlier value
+        // of the wrong type is never looked at (as before the serde structs).
+        let c = caps_of(
+            "{\"capabilities\":{\"max_msg_fds\":\"x\",\"max_msg_fds\":3},\
+             \"capabilities\":{\"max_msg_fds\":8,\"pgsizes\":[],\"pgsizes\":8192}}",
+        )
+        .unwrap();
+        assert_eq!((c.max_msg_fds, c.pgsizes), (8, 8192));
+        assert!(!c.present.max_dma_maps);
+        assert!(caps_of("{\"capabilities\":{\"max_msg_fds\":3,\"max_msg_fds\":\"x\"}}").is_err());
+    }
+
+    #[test]
+    fn test_negotiate_qemu_proposal_gets_the_143_byte_reply_with_every_key() {
+        let req = payload(0, 0, QEMU_CAPS);
+        assert_eq!(super::super::header::HEADER_SIZE + req.len(), 199);
+        let v = Version::decode(&req).unwrap();
+        let n = negotiate(&v, &offer(), 16 + req.len()).unwrap();
+        let json = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":1048576,\
+                    \"max_dma_maps\":65535,\"pgsizes\":4096,\"write_multiple\":true}}";
+        assert_eq!(n.reply.encode_payload(), payload(0, 0, json));
+        assert_eq!(16 + n.reply.encode_payload().len(), 143);
+        assert_eq!(
+            (n.max_data_xfer_size, n.max_dma_maps, n.write_multiple),
+            (1 << 20, 65535, true)
+        );
+    }
+
+    #[test]
+    fn test_negotiate_reply_over_request_size_drops_keys_in_documented_order() {
+        let req = payload(0, 0, QEMU_CAPS);
+        let v = Version::decode(&req).unwrap();
+        let order = [
+            "write_multiple",
+            "pgsizes",
+            "max_dma_maps",
+            "max_msg_fds",
+            "max_data_xfer_size",
+        ];
+        let empty = 16 + payload(0, 0, "{\"capabilities\":{}}").len();
+        for size in empty..=16 + req.len() {
+            let n = negotiate(&v, &offer(), size).unwrap();
+            let reply = n.reply.encode_payload();
+            assert!(16 + reply.len() <= size, "request size {size}");
+            let json = n.reply.caps_json();
+            // The kept keys are the ones not yet dropped: a suffix of `order`.
+            let dropped = order.iter().take_while(|k| !json.contains(*k)).count();
+            for k in &order[dropped..] {
+                assert!(json.contains(k), "size {size}: {k} missing in {json}");
+            }
+            assert_eq!(n.write_multiple, dropped == 0, "size {size}");
+            let xfer_kept = dropped < order.len();
+            assert_eq!(n.max_data_xfer_size, 1 << 20, "size {size}");
+            assert_eq!(
+                Version::decode(&reply)
+                    .unwrap()
+                    .caps
+                    .present
+                    .max_data_xfer_size,
+                xfer_kept
+            );
+        }
+        let tight = negotiate(&v, &offer(), 142).unwrap();
+        assert!(!tight.reply.caps_json().contains("write_multiple"));
+        assert!(tight.reply.caps_json().contains("pgsizes"));
+    }
+
+    fn arb_caps() -> impl Strategy<Value = Capabilities> {
+        (
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>()),
+            (
+                any::<bool>(),
+                any::<Option<u32>>(),
+                any::<bool>(),
+                any::<bool>(),
+            ),
+            any::<[bool; 6]>(),
+        )
+            .prop_map(|((fds, xfer, maps, pg), (twin, fd_index, wm, mig), p)| {
+                Capabilities {
+                    max_msg_fds: fds,
+                    max_data_xfer_size: xfer,
+                    max_dma_maps: maps,
+                    pgsizes: pg,
+                    twin_socket: twin,
+                    twin_socket_fd_index: fd_index,
+                    write_multiple: wm,
+                    migration: mig,
+                    migration_max_bitmap_size: mig.then_some(1 << 28),
+                    present: Present {
+                        max_msg_fds: p[0],
+                        max_data_xfer_size: p[1],
+                        max_dma_maps: p[2],
+                        pgsizes: p[3],
+                        twin_socket: p[4],
+                        write_multiple: p[5],
+                    },
+                }
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn prop_version_reply_round_trip_keeps_present_keys(
+            caps in arb_caps(),
+            major in any::<u16>(),
+            minor in any::<u16>(),
+        ) {
+            let v = Version { major, minor, caps: caps.clone() };
+            let bytes = v.encode_payload();
+            let back = Version::decode(&bytes).unwrap();
+            prop_assert_eq!((back.major, back.minor), (major, minor));
+            let d = Capabilities::default();
+            let p = caps.present;
+            let c = &back.caps;
+            prop_assert_eq!(c.present, p);
+            prop_assert_eq!(c.max_msg_fds, if p.max_msg_fds { caps.max_msg_fds } else { d.max_msg_fds });
+            prop_assert_eq!(
+                c.max_data_xfer_size,
+                if p.max_data_xfer_size { caps.max_data_xfer_size } else { d.max_data_xfer_size }
+            );
+            prop_assert_eq!(c.max_dma_maps, if p.max_dma_maps { caps.max_dma_maps } else { d.max_dma_maps });
+            prop_assert_eq!(c.pgsizes, if p.pgsizes { caps.pgsizes } else { d.pgsizes });
+            prop_assert_eq!(c.write_multiple, p.write_multiple && caps.write_multiple);
+            let twin = p.twin_socket && caps.twin_socket && caps.twin_socket_fd_index.is_some();
+            prop_assert_eq!(c.twin_socket, twin);
+            prop_assert_eq!(c.twin_socket_fd_index, if twin { caps.twin_socket_fd_index } else { None });
+            prop_assert!(!c.migration, "migration is never written");
+            // Encoding what was decoded gives the same bytes.
+            prop_assert_eq!(back.encode_payload(), bytes);
+        }
     }
 
     #[test]
