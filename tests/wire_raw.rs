@@ -173,6 +173,35 @@ fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
 }
 
 #[test]
+fn test_raw_fdless_dma_read_pieces_stay_under_qemu_socket_buffer_despite_1mib_xfer() {
+    let ts = TestServer::start();
+    // QEMU offers 1 MiB transfers, but cuts a reply larger than its socket send buffer
+    // (~208 KiB): DMA_READs must ask for at most 64 KiB each.
+    let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);
+    let mut mem = GuestMem::new(0x100_0000, 0x60000);
+    mem.qemu_layout = true;
+    for (i, b) in mem.bytes.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    map_fdless(&mut c, 0x100_0000, 0x60000);
+    let handle = ts.state().dma.clone().unwrap();
+    let worker = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 300 * 1024];
+        handle.read(0x100_0010, &mut buf).map(|_| buf)
+    });
+    while mem.reads < 5 {
+        let m = c.recv();
+        assert!(
+            RawClient::serve_on(&c.stream, &m, &mut mem),
+            "unexpected message"
+        );
+    }
+    let buf = worker.join().unwrap().expect("worker DMA");
+    assert_eq!(buf, mem.bytes[0x10..0x10 + 300 * 1024].to_vec());
+    assert_eq!(mem.largest, 64 * 1024, "largest DMA_READ piece");
+}
+
+#[test]
 fn test_raw_fdless_dma_qemu_client_gets_qemu_layout() {
     let ts = TestServer::start();
     let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);

@@ -1,6 +1,7 @@
 //! [`RemoteDma`] over the connection: DMA_READ / DMA_WRITE to the client, split into
-//! transfers of at most the negotiated max_data_xfer_size, each registered with the range
-//! it targets so that a DMA_UNMAP can cancel it ([`RemoteDma::cancel`]).
+//! transfers of at most the negotiated max_data_xfer_size (DMA_READ also at most
+//! [`MAX_DMA_READ_PIECE`]), each registered with the range it targets so that a DMA_UNMAP
+//! can cancel it ([`RemoteDma::cancel`]).
 //!
 //! errnos a device sees besides the client's own: ECANCELED (cancelled by a DEVICE_RESET
 //! or by a DMA_UNMAP of the range, or refused during a reset), EDEADLK (issued from the
@@ -15,6 +16,18 @@ use super::channel::{Channel, RequestError};
 use crate::dma::{DmaError, RemoteDma};
 use crate::protocol::dma_rw::{decode_dma_write_reply, encode_dma_read, DmaRwLayout};
 use crate::protocol::Command;
+
+/// Largest DMA_READ umdev asks for, whatever max_data_xfer_size says (64 KiB).
+///
+/// The client answers a DMA_READ with the data in its reply. QEMU 10.2 sends messages with
+/// a non-blocking `writev` and takes a partial write for a complete one
+/// (`hw/vfio-user/proxy.c`, `vfio_user_send_one`): a reply larger than the free space of
+/// its socket send buffer (about 208 KiB by default, `net.core.wmem_default`) is cut short
+/// and the stream is out of step for good (seen with a real guest: a 288 KiB DMA_READ was
+/// never answered and every later request timed out). Pieces well below the buffer are
+/// written whole. DMA_WRITE is not affected: umdev writes its requests completely, and
+/// QEMU's reply to one is 16 + 24 bytes.
+pub const MAX_DMA_READ_PIECE: usize = 64 * 1024;
 
 /// The server→client DMA path of one connection.
 #[derive(Debug, Clone)]
@@ -64,7 +77,7 @@ impl ClientDma {
 
     /// DMA_READ `buf.len()` bytes at `iova`, in chunks.
     pub fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), RequestError> {
-        let max = self.chan.max_xfer().max(1) as usize;
+        let max = (self.chan.max_xfer() as usize).clamp(1, MAX_DMA_READ_PIECE);
         let mut done = 0usize;
         while done < buf.len() {
             let n = (buf.len() - done).min(max);
