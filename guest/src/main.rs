@@ -16,6 +16,7 @@ mod mem;
 mod pci;
 mod report;
 mod uio;
+mod vfio;
 mod viommu;
 
 use report::Report;
