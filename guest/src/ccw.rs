@@ -59,13 +59,12 @@ pub fn run_intx(r: &mut Report) -> Option<()> {
             &n("disable"),
             c.dev.update_command(command::INTX_DISABLE, 0),
         )?;
-        let t0 = Instant::now();
         r.ok(&n("submit"), c.submit(&[CcwWord::nop()], 0, 0))?;
         let completed = r.ok(&n("poll"), c.poll_completed(Duration::from_secs(10)))?;
         if !r.check(&n("completed"), completed.is_some(), "COMPLETED moved") {
             return None;
         }
-        let d = r.ok(&n("collect"), c.collect(completed?, 0, t0.elapsed()))?;
+        let d = r.ok(&n("collect"), c.collect(completed?, 0))?;
         c.expect_ok(r, &format!("{case}.program"), &d, 0);
         let st = interrupt_status(r, &c)?;
         r.check(

@@ -80,8 +80,6 @@ pub struct Done {
     pub completed_before: u32,
     /// uio interrupts counted for it.
     pub interrupts: u32,
-    /// START to the completion seen by the driver.
-    pub elapsed: Duration,
 }
 
 impl std::fmt::Display for Done {
@@ -245,12 +243,7 @@ impl Ccw {
 
     /// Read what the finished program left (status block, LAST_STATUS, IRQ_STATUS) without
     /// acknowledging anything.
-    pub fn collect(
-        &mut self,
-        completed: u32,
-        interrupts: u32,
-        elapsed: Duration,
-    ) -> io::Result<Done> {
+    pub fn collect(&mut self, completed: u32, interrupts: u32) -> io::Result<Done> {
         let mut b = [0u8; STATUS_BLOCK_SIZE];
         self.ctl.read_at(STATUS_OFF, &mut b)?;
         let done = Done {
@@ -261,7 +254,6 @@ impl Ccw {
             completed,
             completed_before: self.completed,
             interrupts,
-            elapsed,
         };
         self.completed = completed;
         Ok(done)
@@ -277,7 +269,6 @@ impl Ccw {
     /// the interrupt never came); collect, acknowledge and re-enable INTx.
     pub fn wait_done(&mut self, t0: Instant) -> io::Result<Done> {
         let irqs = self.uio.wait(COMPLETION_TIMEOUT)?;
-        let mut elapsed = t0.elapsed();
         let completed = match self.poll_completed(COMPLETION_TIMEOUT)? {
             Some(c) => c,
             None => {
@@ -287,10 +278,7 @@ impl Ccw {
                 ))
             }
         };
-        if irqs == 0 {
-            elapsed = t0.elapsed();
-        }
-        let done = self.collect(completed, irqs, elapsed)?;
+        let done = self.collect(completed, irqs)?;
         self.ack()?;
         self.programs += 1;
         self.interrupts += irqs;

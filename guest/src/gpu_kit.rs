@@ -154,11 +154,6 @@ impl Gpu {
         self.fb.write32(u64::from(y * STRIDE + 4 * x), v)
     }
 
-    /// Read pixel (x, y) with the CPU through BAR2.
-    pub fn pixel(&self, x: u32, y: u32) -> io::Result<u32> {
-        self.fb.read32(u64::from(y * STRIDE + 4 * x))
-    }
-
     /// Nanoseconds per CPU read of a framebuffer word, over `words` reads from the start.
     pub fn fb_read_ns(&self, words: u32) -> io::Result<f64> {
         let t = Instant::now();

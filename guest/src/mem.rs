@@ -191,13 +191,6 @@ impl DmaBuf {
         Ok(())
     }
 
-    /// Read a little-endian u32 at `off`.
-    pub fn read_u32(&self, off: usize) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.read_at(off, &mut b)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
     /// Read a little-endian u64 at `off`.
     pub fn read_u64(&self, off: usize) -> io::Result<u64> {
         let mut b = [0u8; 8];

@@ -146,14 +146,6 @@ impl PciDev {
         }
     }
 
-    /// Unbind the function from its driver, if any.
-    pub fn unbind(&self) -> io::Result<()> {
-        if self.dir.join("driver").exists() {
-            std::fs::write(self.dir.join("driver/unbind"), &self.bdf)?;
-        }
-        Ok(())
-    }
-
     /// The IOMMU group number, if the function is behind an IOMMU.
     pub fn iommu_group(&self) -> io::Result<u32> {
         let link = std::fs::read_link(self.dir.join("iommu_group"))?;

@@ -31,7 +31,12 @@ struct Plan {
     allow_reboot: bool,
     devices: &'static [Kind],
     scenarios: &'static [&'static str],
+    /// Host-side checks of this run beyond every server's own (None: none).
+    host_checks: Option<HostChecks>,
 }
+
+/// Host-side checks of a run, from the guest's console and the stopped servers.
+type HostChecks = fn(&GuestLog, &[server::Outcome]) -> Vec<Check>;
 
 /// Every guest run of the suite, in order.
 const PLANS: &[Plan] = &[
@@ -43,6 +48,7 @@ const PLANS: &[Plan] = &[
         allow_reboot: false,
         devices: &[Kind::Hello, Kind::Gpu, Kind::Ccw],
         scenarios: &["hello", "gpu", "gpu-bme", "ccw", "ccw-intx", "ccw-bme"],
+        host_checks: None,
     },
     Plan {
         name: "plain",
@@ -52,6 +58,7 @@ const PLANS: &[Plan] = &[
         allow_reboot: false,
         devices: &[Kind::Hello, Kind::Gpu, Kind::Ccw],
         scenarios: &["hello", "gpu-plain", "ccw-plain"],
+        host_checks: None,
     },
     Plan {
         name: "viommu",
@@ -61,8 +68,46 @@ const PLANS: &[Plan] = &[
         allow_reboot: true,
         devices: &[Kind::Gpu],
         scenarios: &["gpu-viommu"],
+        host_checks: Some(viommu_checks),
     },
 ];
+
+/// The vIOMMU run reboots the guest with live VFIO mappings (`guest/src/viommu.rs`): the
+/// guest must have booted exactly twice (phase 1, then phase 2 after the reboot), and the
+/// GPU server must never have refused a DMA_MAP as overlapping. A server that keeps the
+/// first boot's mappings through the reboot (unmap ranges it does not accept) refuses the
+/// second boot's maps at the same IOVAs with EEXIST, which QEMU only logs: the guest sees
+/// success while the device writes the old boot's pages.
+fn viommu_checks(log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check> {
+    let mut v = vec![Check::new(
+        "viommu.guest_booted_twice",
+        log.boots == 2,
+        format!(
+            "{} UMDEV-BOOT lines (want 2: before and after the reboot)",
+            log.boots
+        ),
+    )];
+    for s in servers.iter().filter(|s| s.kind == Kind::Gpu) {
+        let refused: Vec<&str> = s
+            .log
+            .lines()
+            .filter(|l| l.contains("overlaps an existing mapping"))
+            .collect();
+        v.push(Check::new(
+            "gpu.server_no_overlap_refusal",
+            refused.is_empty(),
+            match refused.first() {
+                None => "no DMA_MAP refused as overlapping".to_string(),
+                Some(first) => format!(
+                    "{} DMA_MAPs refused as overlapping, first: {}",
+                    refused.len(),
+                    first.trim()
+                ),
+            },
+        ));
+    }
+    v
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum AccelArg {
@@ -119,6 +164,14 @@ struct Args {
     /// Echo the guest console as it comes.
     #[arg(short, long)]
     verbose: bool,
+    /// RUST_LOG of the servers (e.g. `debug` shows every DMA_MAP/DMA_UNMAP).
+    #[arg(
+        long,
+        env = "UMDEV_VMTEST_RUST_LOG",
+        default_value = "info",
+        value_name = "FILTER"
+    )]
+    server_log: String,
     /// Cache for the KVM verdict (default ~/.cache/umdev).
     #[arg(long, env = "UMDEV_CACHE_DIR", value_name = "DIR")]
     cache_dir: Option<PathBuf>,
@@ -217,7 +270,7 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
     }
     let mut servers = Vec::new();
     for &k in plan.devices {
-        match Server::start(k, &bins, dir) {
+        match Server::start(k, &bins, dir, &args.server_log) {
             Ok(s) => servers.push(s),
             Err(e) => checks.push(Check::new(format!("{}.server_start", k.name()), false, e)),
         }
@@ -240,7 +293,7 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
         stop_at: None,
     };
     let mut measures = Vec::new();
-    let mut images = Vec::new();
+    let mut guest_log = None;
     match vm.run() {
         Err(e) => checks.push(Check::new("qemu.start", false, e)),
         Ok(run) => {
@@ -269,6 +322,14 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
                     unit: "s".into(),
                 });
             }
+            if let Some(t) = run.reboot_to_init() {
+                measures.push(Measure {
+                    scenario: "boot".into(),
+                    name: "reboot_to_init".into(),
+                    value: t.as_secs_f64(),
+                    unit: "s".into(),
+                });
+            }
             for s in &scenarios {
                 checks.push(Check::new(
                     format!("{s}.ended"),
@@ -276,28 +337,31 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
                     "the scenario printed its END line",
                 ));
             }
-            checks.extend(log.checks);
-            measures.extend(log.measures);
-            images = log.images;
-            notes.extend(log.trouble.into_iter().map(|t| format!("guest: {t}")));
+            checks.extend(log.checks.iter().cloned());
+            measures.extend(log.measures.iter().cloned());
+            notes.extend(log.trouble.iter().map(|t| format!("guest: {t}")));
             notes.extend(
                 run.stderr
                     .lines()
                     .filter(|l| !l.trim().is_empty())
                     .map(|l| format!("qemu: {l}")),
             );
+            guest_log = Some(log);
         }
     }
-    for s in servers {
-        let out = s.stop();
+    let stopped: Vec<server::Outcome> = servers.into_iter().map(Server::stop).collect();
+    for out in &stopped {
         // The pin-refusal hint is logged only if a scenario of this device tried to pin.
-        let pinned_fdless = plan.ram == Ram::Plain
-            && scenarios.iter().any(|sc| sc.starts_with(out.kind.name()));
+        let pinned_fdless =
+            plan.ram == Ram::Plain && scenarios.iter().any(|sc| sc.starts_with(out.kind.name()));
         checks.extend(out.checks(pinned_fdless));
     }
     // Only now: the ccw server has stopped and flushed its image.
-    if !images.is_empty() {
-        checks.extend(image::checks(&server::ccw_image(dir), &images));
+    if let Some(log) = guest_log.as_ref().filter(|l| !l.images.is_empty()) {
+        checks.extend(image::checks(&server::ccw_image(dir), &log.images));
+    }
+    if let (Some(host_checks), Some(log)) = (plan.host_checks, &guest_log) {
+        checks.extend(host_checks(log, &stopped));
     }
     Outcome {
         checks,
@@ -427,4 +491,44 @@ fn run(args: &Args) -> Result<bool, String> {
         let _ = std::fs::remove_dir_all(t);
     }
     Ok(failed == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu_with_log(log: &str) -> server::Outcome {
+        server::Outcome {
+            kind: Kind::Gpu,
+            alive_after_guest: true,
+            exit: None,
+            log: log.to_string(),
+        }
+    }
+
+    #[test]
+    fn test_viommu_checks_one_boot_or_overlap_refusal_fails() {
+        let twice = GuestLog::parse(["UMDEV-BOOT 1.0", "UMDEV-BOOT 2.0"]);
+        let once = GuestLog::parse(["UMDEV-BOOT 1.0"]);
+        let clean = gpu_with_log("INFO client disconnected\n");
+        let refused = gpu_with_log(
+            "WARN DMA_MAP iova=0x110000000 size=0x1000 rejected: DMA mapping \
+             [0x110000000, +0x1000) overlaps an existing mapping\n",
+        );
+        let ok = |log: &GuestLog, s: &server::Outcome| {
+            viommu_checks(log, std::slice::from_ref(s))
+                .iter()
+                .map(|c| (c.name.clone(), c.ok))
+                .collect::<Vec<_>>()
+        };
+        let names = |a: bool, b: bool| {
+            vec![
+                ("viommu.guest_booted_twice".to_string(), a),
+                ("gpu.server_no_overlap_refusal".to_string(), b),
+            ]
+        };
+        assert_eq!(ok(&twice, &clean), names(true, true));
+        assert_eq!(ok(&once, &clean), names(false, true));
+        assert_eq!(ok(&twice, &refused), names(true, false));
+    }
 }

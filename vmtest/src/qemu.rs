@@ -89,6 +89,20 @@ impl Run {
             .find(|(_, l)| l.contains(marker))
             .map(|(t, _)| *t)
     }
+
+    /// Time from the kernel's "reboot: Restarting system" line to the next `UMDEV-BOOT`
+    /// (a guest that rebooted itself; None if it did not).
+    pub fn reboot_to_init(&self) -> Option<Duration> {
+        let at = self
+            .console
+            .iter()
+            .position(|(_, l)| l.contains("reboot: Restarting system"))?;
+        let (t0, _) = self.console[at];
+        self.console[at..]
+            .iter()
+            .find(|(_, l)| l.contains("UMDEV-BOOT"))
+            .map(|(t, _)| t.saturating_sub(t0))
+    }
 }
 
 /// Firmware directories of Debian's seabios, qemu-system-data and ipxe-qemu packages (the

@@ -69,8 +69,8 @@ pub struct Outcome {
 }
 
 impl Server {
-    /// Start the server for `kind` in `dir` and wait for its socket.
-    pub fn start(kind: Kind, bins: &Bins, dir: &Path) -> io::Result<Server> {
+    /// Start the server for `kind` in `dir` with `RUST_LOG=rust_log` and wait for its socket.
+    pub fn start(kind: Kind, bins: &Bins, dir: &Path, rust_log: &str) -> io::Result<Server> {
         let socket = dir.join(format!("{}.sock", kind.name()));
         let log = dir.join(format!("{}.log", kind.name()));
         let mut cmd = match kind {
@@ -91,7 +91,7 @@ impl Server {
             }
         };
         let out = File::create(&log)?;
-        cmd.env("RUST_LOG", "info")
+        cmd.env("RUST_LOG", rust_log)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
