@@ -146,7 +146,22 @@ fn test_concurrent_pin_unpin_with_map_unmap_no_lost_update() {
             }
         }));
     }
-    for _ in 0..40 {
+    // The workers must really run during the churn, however loaded the machine is: wait
+    // for them to start, and churn until they made progress during at least 40 rounds.
+    let wait_for = |n: u64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while ops.load(Ordering::Relaxed) < n {
+            assert!(std::time::Instant::now() < deadline, "workers never ran");
+            std::thread::yield_now();
+        }
+    };
+    wait_for(4);
+    let at_start = ops.load(Ordering::Relaxed);
+    for round in 0.. {
+        if round >= 40 && ops.load(Ordering::Relaxed) > at_start + 40 {
+            break;
+        }
+        assert!(round < 100_000, "workers made no progress during the churn");
         map_pages(&s, 0x1000, 16, Prot::RW);
         std::thread::yield_now();
         let report = s
@@ -164,7 +179,7 @@ fn test_concurrent_pin_unpin_with_map_unmap_no_lost_update() {
     for w in workers {
         w.join().unwrap();
     }
-    assert!(ops.load(Ordering::Relaxed) > 0);
+    assert!(ops.load(Ordering::Relaxed) > at_start);
     let st = s.stats();
     assert_eq!(st.pinned_pages, 0);
     assert_eq!(st.locked_pages, 0);
