@@ -6,10 +6,16 @@
 //! - `0x10 DOORBELL` (write): the device adds the written value to the counter in guest
 //!   memory (a DMA read and a DMA write) and raises interrupt vector 0.
 //!
+//! The DMA runs on a worker thread, not in the register handler: with guest RAM that QEMU
+//! maps without fds, DMA is a request to QEMU, which it cannot answer while it waits for
+//! the server to reply to something else (see protocol-docs/server-dma.md).
+//!
 //! `cargo run --example hello` serves the device on a socket and drives it with the
 //! embedded VMM (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve
 //! it, e.g. for QEMU 10.1+ (see the README for the command line).
 use std::{env, path::PathBuf, time::Duration};
+
+use crossbeam_channel::Sender;
 
 use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
 use umdev::irq::Interrupts;
@@ -23,12 +29,11 @@ const REG_ADDR: u64 = 0x08;
 const REG_DOORBELL: u64 = 0x10;
 const MAGIC: u32 = 0x4845_4c4f;
 
-/// The device: its registers plus the handles it got at attach time.
+/// The device: its register, and the queue of its DMA worker (started at attach).
 #[derive(Default)]
 struct Hello {
     addr: u64,
-    dma: Option<DmaHandle>,
-    irq: Interrupts,
+    work: Option<Sender<(u64, u64)>>,
 }
 
 impl PciDevice for Hello {
@@ -54,8 +59,14 @@ impl PciDevice for Hello {
     }
 
     fn attach(&mut self, dma: DmaHandle, irq: Interrupts) {
-        self.dma = Some(dma);
-        self.irq = irq;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        std::thread::spawn(move || {
+            // Ends when the device (the sender) goes away.
+            for (addr, add) in rx {
+                add_to_counter(&dma, &irq, addr, add);
+            }
+        });
+        self.work = Some(tx);
     }
 
     fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
@@ -73,7 +84,11 @@ impl PciDevice for Hello {
         bytes[..data.len().min(8)].copy_from_slice(&data[..data.len().min(8)]);
         match (offset, u64::from_le_bytes(bytes)) {
             (REG_ADDR, value) => self.addr = value,
-            (REG_DOORBELL, value) => self.ring(value),
+            (REG_DOORBELL, value) => {
+                if let Some(work) = &self.work {
+                    let _ = work.send((self.addr, value));
+                }
+            }
             _ => tracing::debug!("hello: write to unknown register {offset:#x} ignored"),
         }
     }
@@ -83,26 +98,24 @@ impl PciDevice for Hello {
     }
 }
 
-impl Hello {
-    /// The one DMA operation. The guest chose the address: any failure (unmapped,
-    /// read-only, fd-less without a client) is logged, never a panic.
-    fn ring(&mut self, add: u64) {
-        let Some(dma) = &self.dma else { return };
-        let result = dma
-            .read_obj::<u64>(self.addr)
-            .and_then(|v| dma.write_obj(self.addr, &v.wrapping_add(add)));
-        match result {
-            Ok(()) => {
-                self.irq.trigger(0);
-            }
-            Err(e) => tracing::warn!("hello: DMA at {:#x} failed: {e}", self.addr),
+/// The one DMA operation. The guest chose the address: any failure (unmapped, read-only,
+/// Bus Master off, fd-less without a client) is logged, never a panic.
+fn add_to_counter(dma: &DmaHandle, irq: &Interrupts, addr: u64, add: u64) {
+    let result = dma
+        .read_obj::<u64>(addr)
+        .and_then(|v| dma.write_obj(addr, &v.wrapping_add(add)));
+    match result {
+        Ok(()) => {
+            irq.trigger(0);
         }
+        Err(e) => tracing::warn!("hello: DMA at {addr:#x} failed: {e}"),
     }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )

@@ -231,11 +231,12 @@ pub fn run_plain(r: &mut Report) -> Option<()> {
         code.as_ref().is_ok_and(|&c| c == ERR_NONE),
         format_args!("ERROR_CODE {code:?}"),
     );
-    // 2000 FILLs: 48 KB of ring in one DMA_READ. A larger fetch can break the connection:
-    // with QEMU 10.2.2 a 216 KB DMA_READ worked and a 288 KB one was never answered, after
-    // which every message on the socket timed out (QEMU's proxy takes a partial write of
-    // a reply for a complete one, so a reply bigger than the socket buffer is cut short).
-    fill_batch(r, &mut g, "gpu_plain", 2000)?;
+    // 16000 FILLs: 384 KB of ring fetched at once. QEMU 10.2.2's proxy takes a partial
+    // write of a reply for a complete one, so a DMA_READ reply larger than its socket
+    // buffer (~208 KB) is cut short and the connection is lost for good (seen here: 216 KB
+    // worked, 288 KB killed it). umdev asks for at most 64 KiB per DMA_READ
+    // (`umdev::server::remote_dma::MAX_DMA_READ_PIECE`); this batch checks that it holds.
+    fill_batch(r, &mut g, "gpu_plain", 16_000)?;
     g.close(r, "gpu_plain");
     Some(())
 }

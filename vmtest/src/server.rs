@@ -194,6 +194,11 @@ impl Outcome {
                 !self.log.contains("panicked"),
                 "",
             ),
+            Check::new(
+                format!("{dev}.server_log_plain_text"),
+                !self.log.contains('\x1b'),
+                "no ANSI colour codes in a log written to a file",
+            ),
         ];
         if fd_less && self.kind != Kind::Hello {
             v.push(Check::new(
