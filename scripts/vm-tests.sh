@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # umdev's real-VMM suite: QEMU (>= 10.1, vfio-user-pci) boots a Debian guest kernel with
 # umdev's example devices attached; a static Rust program inside the guest drives them like a
-# guest driver. The first run on a machine builds QEMU (~15 minutes on 2 cores) and downloads
+# guest driver. The first run on a machine builds QEMU (~15-25 minutes on 2 cores) and downloads
 # the guest kernel; later runs reuse them from ~/.cache/umdev.
 #
 #   scripts/vm-tests.sh [umdev-vmtest options]     e.g. --only memfd --verbose; --help for all
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+for a in "$@"; do
+    if [ "$a" = "-h" ] || [ "$a" = "--help" ]; then
+        sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+        echo
+        cargo run --quiet --release -p umdev-vmtest -- --help
+        exit 0
+    fi
+done
 
 # QEMU_BIN and UMDEV_GUEST_DIR (found, or built/downloaded into the cache).
 eval "$(scripts/qemu.sh env)"
