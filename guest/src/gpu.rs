@@ -3,7 +3,7 @@
 //! framebuffer read and written by the guest CPU through BAR2, the ring in a contiguous
 //! huge page, surfaces in physically scattered guest pages behind the GTT, INTx through
 //! `uio_pci_generic`. Every drawing step is checked against a model of the screen (all of
-//! it here; see [`gpu_kit`](crate::gpu_kit) for the windows the other scenarios use).
+//! it here; see [`gpu_kit`] for the windows the other scenarios use).
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! VFIO_USER_VERSION: version numbers and the JSON capabilities.
 //!
 //! The JSON travels as typed structs with serde derive, in both directions:
-//! `{"capabilities": {...}}` is [`VersionJson`] holding a [`CapsJson`]. Every key is an
+//! `{"capabilities": {...}}` is `VersionJson` holding a `CapsJson`. Every key is an
 //! `Option`: `None` is an absent key, which means the spec default on decode and "not
 //! answered" on encode (the reply holds only the keys the client offered; `None` fields
 //! are skipped, and the others come out in the structs' field order).
@@ -12,8 +12,8 @@
 //!   object's usual reading, and what umdev always did) and errors carry no position;
 //! - a known key of the wrong type, `null` included, is refused with a message that starts
 //!   with the key's path (`twin_socket.fd_index: invalid type: ...`): each key has its own
-//!   `deserialize_with` function in [`key`] for that;
-//! - `capabilities`, `twin_socket` and the top level must be JSON objects ([`object`]: a
+//!   `deserialize_with` function in `key` for that;
+//! - `capabilities`, `twin_socket` and the top level must be JSON objects (`object`: a
 //!   derived struct alone would also take an array of its fields);
 //! - unknown keys are ignored at every level;
 //! - `migration` is accepted whatever it holds (umdev never validated it, has no
