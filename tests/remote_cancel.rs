@@ -273,7 +273,7 @@ fn test_device_dma(vmm: &mut RawVmm, iova: u64, len: u32) {
 #[test]
 fn test_connection_thread_fdless_dma_client_waiting_fails_fast_posted_alone_works() {
     let ts = common::TestServer::start_with(|c| c.remote_dma_timeout = QEMU_TIMEOUT);
-    let c = common::RawClient::new_default(&ts.path);
+    let c = common::RawClient::new_default(ts.path());
     let mut vmm = RawVmm::new(c, FDLESS, 0x2000).qemu_like();
     for (i, b) in vmm.mem.iter_mut().enumerate() {
         *b = (i % 241) as u8;

@@ -185,6 +185,12 @@ impl Vmm {
         self.fdless.log()
     }
 
+    /// If `m` (received by hand through [`Vmm::client`]) is a DMA request, log it and
+    /// answer it now; true if it was one.
+    pub fn serve(&mut self, m: &Msg) -> io::Result<bool> {
+        self.fdless.serve(self.client.stream(), m)
+    }
+
     /// Send a command (its reply is read by [`Vmm::wait_reply`]); returns its id.
     pub fn send(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> io::Result<u16> {
         self.client.try_send(cmd as u16, 0, payload, fds)
