@@ -3,9 +3,6 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod test_device;
-// Still used by the hostile-guest rig until it moves to umdev::testing (next commit).
-pub mod raw_client;
-pub use raw_client::RawClient;
 
 use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -35,7 +32,7 @@ impl TestServer {
         Self::start_with(|_| {})
     }
 
-    pub fn start_with(tune: impl FnOnce(&mut ServerConfig) + 'static) -> TestServer {
+    pub fn start_with(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
         let (device, state) = TestDevice::new();
         let server = umdev::testing::TestServer::builder(device)
             .configure(tune)

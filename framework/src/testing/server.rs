@@ -76,13 +76,11 @@ pub struct TestServer<D: Device + 'static> {
     dir: tempfile::TempDir,
 }
 
-type Tune = Box<dyn FnOnce(&mut ServerConfig)>;
-
 /// How a [`TestServer`] is started: DMA configuration, server configuration, directory.
 pub struct TestServerBuilder<D> {
     device: D,
     dma: DmaConfig,
-    tune: Vec<Tune>,
+    config: ServerConfig,
     dir: Option<tempfile::TempDir>,
 }
 
@@ -93,9 +91,9 @@ impl<D: Device + 'static> TestServerBuilder<D> {
         self
     }
 
-    /// Change the server configuration (socket path aside) before the server starts.
-    pub fn configure(mut self, tune: impl FnOnce(&mut ServerConfig) + 'static) -> Self {
-        self.tune.push(Box::new(tune));
+    /// Change the server configuration (the socket path is the server's own).
+    pub fn configure(mut self, tune: impl FnOnce(&mut ServerConfig)) -> Self {
+        tune(&mut self.config);
         self
     }
 
@@ -114,11 +112,7 @@ impl<D: Device + 'static> TestServerBuilder<D> {
             None => tempfile::tempdir()?,
         };
         let path = dir.path().join("dev.sock");
-        let mut config = ServerConfig::new(&path);
-        config.remote_dma_timeout = TEST_REMOTE_DMA_TIMEOUT;
-        for tune in self.tune {
-            tune(&mut config);
-        }
+        let mut config = self.config;
         config.socket_path = path.clone();
         let device = Arc::new(Mutex::new(self.device));
         let dma = DmaSpace::new(self.dma);
@@ -142,10 +136,12 @@ fn server_error(e: ServerError) -> io::Error {
 impl<D: Device + 'static> TestServer<D> {
     /// A builder for serving `device`.
     pub fn builder(device: D) -> TestServerBuilder<D> {
+        let mut config = ServerConfig::new("");
+        config.remote_dma_timeout = TEST_REMOTE_DMA_TIMEOUT;
         TestServerBuilder {
             device,
             dma: DmaConfig::default(),
-            tune: Vec::new(),
+            config,
             dir: None,
         }
     }

@@ -144,6 +144,12 @@ impl Vmm {
         &mut self.client
     }
 
+    /// This VMM with `mem` as its fd-less memory (see [`Vmm::set_fdless`]).
+    pub fn with_fdless(mut self, mem: FdlessMemory) -> Vmm {
+        self.fdless = mem;
+        self
+    }
+
     /// Use `mem` as the fd-less memory that DMA requests are served from (map it with
     /// [`Vmm::dma_map_fdless`]).
     pub fn set_fdless(&mut self, mem: FdlessMemory) {
