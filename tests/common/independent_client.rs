@@ -38,6 +38,29 @@ pub fn client_map(
     assert_eq!(dma.stats().maps, before + 1, "DMA_MAP {iova:#x} refused");
 }
 
+/// Walk the capability list through the client; the config offset of capability `id`.
+pub fn find_capability(client: &mut vfio_user::Client, id: u8) -> Option<u64> {
+    let mut b = [0u8; 1];
+    client
+        .region_read(region_index::CONFIG, 0x34, &mut b)
+        .unwrap();
+    let mut ptr = u64::from(b[0] & !3);
+    for _ in 0..48 {
+        if ptr == 0 {
+            return None;
+        }
+        let mut hdr = [0u8; 2];
+        client
+            .region_read(region_index::CONFIG, ptr, &mut hdr)
+            .unwrap();
+        if hdr[0] == id {
+            return Some(ptr);
+        }
+        ptr = u64::from(hdr[1] & !3);
+    }
+    None
+}
+
 fn io_err(e: vfio_user::Error) -> io::Error {
     io::Error::other(e.to_string())
 }
