@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 use independent::{client_map, enable_device, SocketRegs};
 use umdev::device::region_index;
 use umdev::pci::PciAdapter;
-use umdev::testing::{memfd, wait_until, DeviceAccess, FdlessMemory, RawClient, TestServer, Vmm};
+use umdev::testing::{
+    memfd, wait_until, DeviceAccess, FdlessMemory, GuestMemory, RawClient, TestServer, Vmm,
+};
 use umdev_devices::ccw::driver::{self, cstat, dstat, regs, CcwWord, Fault, OperationBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::{ERR_NONE, ERR_RING_FAULT};
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -264,7 +266,7 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
     let served = TestServer::builder_pci(gpu).unwrap().start().unwrap();
     let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let mut ram = GuestMemfd::new(GPU_RAM, GPU_RAM_SIZE).unwrap();
+    let mut ram = GuestMemory::new(GPU_RAM, GPU_RAM_SIZE).unwrap();
     let fd = ram.fd();
     client_map(&mut client, served.dma(), &fd, 0, RING_GPA, 1 << 20);
     client_map(
@@ -302,7 +304,7 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
         },
         Command::Fence { value: 1 },
     ];
-    let guest_page = |ram: &mut GuestMemfd| {
+    let guest_page = |ram: &GuestMemory| {
         let mut b = vec![0u8; 4096];
         ram.read(page, &mut b).unwrap();
         b
@@ -329,10 +331,7 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
         Some(0),
         "FILL did not run"
     );
-    assert!(
-        guest_page(&mut ram) == vec![0xee; 4096],
-        "READBACK did not run"
-    );
+    assert!(guest_page(&ram) == vec![0xee; 4096], "READBACK did not run");
     // The ring holds exactly what the driver published: the device wrote nothing.
     let mut expected = ring_before;
     let published = Command::encode_bytes(&work);
@@ -356,7 +355,7 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
     assert_eq!(drv.error().unwrap(), (ERR_NONE, 0), "no new error");
     assert_eq!(drv.read(REG_IRQ_STATUS).unwrap() & IRQ_ERROR, 0);
     assert_eq!(served.device().device().pixel(3, 3), Some(color));
-    let got = guest_page(&mut ram);
+    let got = guest_page(&ram);
     for x in 0..4 {
         assert_eq!(got[x * 4..x * 4 + 4], color.to_le_bytes(), "pixel {x}");
     }

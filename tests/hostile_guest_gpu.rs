@@ -15,9 +15,10 @@ use umdev::device::region_index;
 use umdev::dma::{DmaConfig, DmaMapping, PinPolicy, Prot};
 use umdev::pci::PciAdapter;
 use umdev::testing::{
-    memfd, wait_until, Answer, DeviceAccess, FdlessMemory, RawClient, Rng, TestServer, Vmm,
+    memfd, wait_until, Answer, DeviceAccess, FdlessMemory, GuestMemory, RawClient, Rng, TestServer,
+    Vmm,
 };
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -46,7 +47,7 @@ const HEALTH_GTT: u32 = 1000;
 struct GpuVm {
     served: TestServer<PciAdapter<Gpu>>,
     drv: Driver<SocketRegs>,
-    ram: GuestMemfd,
+    ram: GuestMemory,
     fence: u32,
 }
 
@@ -69,7 +70,7 @@ impl GpuVm {
             .unwrap();
         let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
         let fd = ram.fd();
         client_map(&mut client, served.dma(), &fd, 0, RING_GPA, RING_MAP_SIZE);
         client_map(

@@ -17,11 +17,11 @@ use std::time::Duration;
 use independent::{client_map, enable_device, SocketRegs};
 use umdev::device::region_index;
 use umdev::dma::{DmaConfig, PinPolicy};
-use umdev::testing::{memfd, wait_until, TestServer};
+use umdev::testing::{memfd, wait_until, GuestMemory, TestServer};
 use umdev_devices::ccw::driver::{self as ccw_driver, regs as ccw_regs, CcwWord, Fault};
 use umdev_devices::ccw::driver::{OperationBlock, StatusBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
 
@@ -88,7 +88,7 @@ fn test_unmap_race_gpu_readbacks_never_write_unmapped_memory() {
         .unwrap();
     let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let mut ring = GuestMemfd::new(RING_GPA, 64 * 1024).unwrap();
+    let mut ring = GuestMemory::new(RING_GPA, 64 * 1024).unwrap();
     client_map(
         &mut client,
         served.dma(),

@@ -18,8 +18,8 @@ use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
 use umdev::protocol::dma_map::DmaUnmapRequest;
 use umdev::protocol::Command as Cmd;
-use umdev::testing::{DeviceAccess, RawClient, TestServer, Vmm};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam};
+use umdev::testing::{DeviceAccess, GuestMemory, RawClient, TestServer, Vmm};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -35,7 +35,7 @@ const STRIDE: u32 = 4096;
 struct Vm {
     drv: Driver<Bar0<Vmm>>,
     dma: Arc<DmaSpace>,
-    ram: GuestMemfd,
+    ram: GuestMemory,
     fence: u32,
     _server: TestServer<PciAdapter<Gpu>>,
 }
@@ -55,7 +55,7 @@ impl Vm {
         let mut vmm = server.connect().unwrap();
         // Memory decoding and bus mastering, as the guest enables them.
         vmm.write16(region_index::CONFIG, 4, 6).unwrap();
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
         let fd = ram.fd();
         map(&mut vmm, RAM_BASE, SURFACE_GPA - RAM_BASE, 0, fd);
         for k in 0..2 {
@@ -121,7 +121,7 @@ fn readback() -> Command {
 }
 
 /// The first `SW` pixels of each surface row in `mem`.
-fn surface_rows(mem: &mut GuestMemfd, pages: &[u64]) -> Vec<Vec<u8>> {
+fn surface_rows(mem: &GuestMemory, pages: &[u64]) -> Vec<Vec<u8>> {
     pages
         .iter()
         .map(|&p| {
@@ -142,14 +142,14 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     for (i, &p) in pages.iter().enumerate() {
         vm.drv.set_gtt(i as u32, p, true).unwrap();
     }
-    write_surface(&mut vm.ram, &pages, STRIDE, SW, SH);
+    write_surface(&vm.ram, &pages, STRIDE, SW, SH);
     assert_eq!(vm.run(&[blit()]), (ERR_NONE, 0));
     assert_eq!(
         vm.dma.stats().pinned_pages,
         8,
         "the BLIT pinned its entries"
     );
-    let old = surface_rows(&mut vm.ram, &pages);
+    let old = surface_rows(&vm.ram, &pages);
     assert_eq!(&old[1][..4], &pattern(0, 1).to_le_bytes());
 
     // The sweep: from the surface maps to 2^64, covering both maps and empty space.
@@ -183,7 +183,7 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     assert_eq!(vm.dma.stats().pinned_pages, 0);
 
     // The VMM maps new memory at the same IOVAs (the rebooted guest's DMA_MAP).
-    let mut new = GuestMemfd::new(SURFACE_GPA, 2 * SURF_MAP as usize).unwrap();
+    let new = GuestMemory::new(SURFACE_GPA, 2 * SURF_MAP as usize).unwrap();
     new.fill(SURFACE_GPA, 2 * SURF_MAP as usize, 0xee).unwrap();
     map(&mut vm.drv.regs().0, SURFACE_GPA, 2 * SURF_MAP, 0, new.fd());
     let color = 0x0012_3456;
@@ -196,11 +196,11 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     };
     assert_eq!(vm.run(&[fill, readback()]), (ERR_NONE, 2));
     let want: Vec<u8> = (0..SW).flat_map(|_| color.to_le_bytes()).collect();
-    for (i, row) in surface_rows(&mut new, &pages).iter().enumerate() {
+    for (i, row) in surface_rows(&new, &pages).iter().enumerate() {
         assert_eq!(row, &want, "row {i} of the new memory");
     }
     assert_eq!(
-        surface_rows(&mut vm.ram, &pages),
+        surface_rows(&vm.ram, &pages),
         old,
         "the device wrote into the old memory"
     );
