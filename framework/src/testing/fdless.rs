@@ -5,7 +5,8 @@
 //! How it answers is the test's choice ([`Answer`]): honestly, with an EFAULT error reply,
 //! or never (the server's remote DMA timeout must fire). Every request is logged on arrival
 //! as a [`DmaRequest`], whether it is answered or not, for tests that assert on traffic
-//! ("no DMA_READ of the ring after the reset reply"). A request outside the buffer is
+//! ("no DMA_READ of the ring after the reset reply"); a benchmark turns the log off and
+//! keeps the count. A request outside the buffer is
 //! answered with EFAULT, a malformed one with EINVAL, as QEMU does; neither panics.
 //!
 //! Both layouts of the DMA_READ/DMA_WRITE payload are served: the spec's (count u64, data at
@@ -53,6 +54,8 @@ pub struct FdlessMemory {
     answer: Answer,
     layout: DmaRwLayout,
     log: Vec<DmaRequest>,
+    keep_log: bool,
+    requests: usize,
     reads: u64,
     writes: u64,
     largest: u64,
@@ -70,6 +73,8 @@ impl FdlessMemory {
             answer: Answer::Honest,
             layout: DmaRwLayout::Spec,
             log: Vec::new(),
+            keep_log: true,
+            requests: 0,
             reads: 0,
             writes: 0,
             largest: 0,
@@ -115,14 +120,20 @@ impl FdlessMemory {
         self.layout = layout;
     }
 
-    /// Every request received so far, in arrival order.
+    /// Log every request (the default), or only count them (a long benchmark would grow
+    /// the log without bound).
+    pub fn set_keep_log(&mut self, keep: bool) {
+        self.keep_log = keep;
+    }
+
+    /// Every request received so far, in arrival order (while the log is kept).
     pub fn log(&self) -> &[DmaRequest] {
         &self.log
     }
 
     /// Number of requests received so far.
     pub fn requests(&self) -> usize {
-        self.log.len()
+        self.requests
     }
 
     /// DMA_READs answered with data.
@@ -168,7 +179,10 @@ impl FdlessMemory {
             count,
         };
         self.largest = self.largest.max(count);
-        self.log.push(r);
+        self.requests += 1;
+        if self.keep_log {
+            self.log.push(r);
+        }
         r
     }
 
