@@ -1,9 +1,11 @@
 //! The wire tests' own device ([`test_device`]), served through umdev's test harness; the
-//! raw client and the rest come from [`umdev::testing`].
+//! raw client and the rest come from [`umdev::testing`]. The device file is shared with the
+//! fuzz targets (`fuzz/src/lib.rs`), which is why it asks its parent module for `memfd`.
 #![allow(dead_code, unused_imports)]
 
 pub mod test_device;
 
+use std::fs::File;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -60,4 +62,9 @@ impl TestServer {
         }
         panic!("timed out waiting for {what}");
     }
+}
+
+/// A memfd of `size` bytes (for the test device's BAR2).
+pub fn memfd(size: u64) -> File {
+    umdev::testing::memfd(size).unwrap()
 }

@@ -77,7 +77,7 @@ pub struct TestDevice {
 
 impl TestDevice {
     pub fn new() -> (TestDevice, Arc<Mutex<DeviceState>>) {
-        let f = umdev::testing::memfd(BAR2_SIZE).unwrap();
+        let f = super::memfd(BAR2_SIZE);
         let file = Arc::new(f.try_clone().unwrap());
         let state = Arc::new(Mutex::new(DeviceState {
             regs: vec![0; BAR0_SIZE as usize],
