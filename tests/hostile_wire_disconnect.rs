@@ -18,7 +18,7 @@ use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::set_irqs::encode_set_irqs;
 use umdev::protocol::wire::Put;
 use umdev::protocol::{encode_message, Command, FLAGS_NO_REPLY, HEADER_SIZE};
-use umdev::server::socket_io::{header_of, recv_header, recv_payload, send_message};
+use umdev::server::socket_io::send_message;
 use umdev::testing::{memfd, Msg, RawClient, DEFAULT_CAPS};
 use vfio_bindings::bindings::vfio::*;
 use vmm_sys_util::eventfd::EventFd;
@@ -69,18 +69,6 @@ struct Session {
     twin: Option<UnixStream>,
     _keep: Vec<OwnedFd>,
     _efds: Vec<EventFd>,
-}
-
-fn recv_on(s: &UnixStream) -> Msg {
-    let raw = recv_header(s).expect("recv").expect("closed");
-    let header = header_of(&raw);
-    let mut payload = vec![0u8; header.msg_size as usize - HEADER_SIZE];
-    recv_payload(s, &mut payload).unwrap();
-    Msg {
-        header,
-        payload,
-        fds: raw.fds,
-    }
 }
 
 fn ok(m: &Msg, what: &str) {
@@ -244,7 +232,7 @@ fn script(path: &std::path::Path, stop: Stop, twin: bool) -> Session {
         // connection thread waits for the answer, which never comes.
         start_dma(&mut s.c, FDLESS_IOVA, 16, 1);
         let req = match &s.twin {
-            Some(t) => recv_on(t),
+            Some(t) => RawClient::recv_on(t),
             None => s.c.recv(),
         };
         assert_eq!(
@@ -288,7 +276,7 @@ fn full_session(ts: &TestServer, twin: bool) {
     assert_eq!(ts.state().reg32(REG_DMA_STATUS), 0, "DMA from the fd map");
     start_dma(&mut c, FDLESS_IOVA + 0x10, 8, 1);
     let req = match &twin_sock {
-        Some(t) => recv_on(t),
+        Some(t) => RawClient::recv_on(t),
         None => c.recv(),
     };
     assert_eq!(req.header.command, Command::DmaRead as u16);

@@ -1,81 +1,13 @@
 //! The harness against umdev's own server: every piece a device author relies on.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
 use crate::device::{region_index, Device};
-use crate::dma::{DmaHandle, Prot};
-use crate::irq::Interrupts;
-use crate::pci::{
-    BarKind, BarSpec, MsixSpec, PciAdapter, PciConfig, PciDevice, PciIds, SharedMemory,
-};
+use crate::dma::Prot;
+use crate::pci::test_device::{full_config, TestDevice};
+use crate::pci::PciAdapter;
 use crate::protocol::Command;
-
-/// BAR0: 16 KiB of byte registers (MSI-X table at 0x2000, PBA at 0x3000); BAR5: 8 KiB of
-/// shared memory; INTx, 4 MSI vectors, 8 MSI-X vectors.
-#[derive(Default)]
-struct TestDevice {
-    config: PciConfig,
-    regs: HashMap<(usize, u64), u8>,
-    irq: Option<Interrupts>,
-    disconnects: u32,
-}
-
-fn full_config() -> PciConfig {
-    let bar = |index, size, shared| BarSpec {
-        index,
-        size,
-        kind: BarKind::Mmio32,
-        prefetchable: false,
-        shared,
-    };
-    let shm = Arc::new(SharedMemory::new("testing-bar5", 0x2000).unwrap());
-    PciConfig {
-        ids: PciIds {
-            vendor: 0x1af4,
-            device: 0x10f0,
-            ..Default::default()
-        },
-        bars: vec![bar(0, 0x4000, None), bar(5, 0x2000, Some(shm))],
-        intx: true,
-        msi_vectors: 4,
-        msix: Some(MsixSpec {
-            vectors: 8,
-            table_bar: 0,
-            table_offset: 0x2000,
-            pba_bar: 0,
-            pba_offset: 0x3000,
-        }),
-    }
-}
-
-impl PciDevice for TestDevice {
-    fn config(&self) -> PciConfig {
-        self.config.clone()
-    }
-    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = self
-                .regs
-                .get(&(bar, offset + i as u64))
-                .copied()
-                .unwrap_or(0);
-        }
-    }
-    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
-        for (i, b) in data.iter().enumerate() {
-            self.regs.insert((bar, offset + i as u64), *b);
-        }
-    }
-    fn attach(&mut self, _dma: DmaHandle, irq: Interrupts) {
-        self.irq = Some(irq);
-    }
-    fn disconnected(&mut self) {
-        self.disconnects += 1;
-    }
-}
 
 const FDLESS: u64 = 0x40_0000;
 const WAIT: Duration = Duration::from_secs(2);
@@ -319,7 +251,7 @@ fn test_vmm_dma_unmap_reports_bytes_removed_and_error_carries_errno() {
 #[test]
 fn test_vmm_map_region_reads_shared_bar_through_its_fd() {
     let server = pci_server();
-    let shm = server.device().device().config.bars[1]
+    let shm = server.device().device().config.bars[3]
         .shared
         .clone()
         .expect("BAR5 is shared memory");

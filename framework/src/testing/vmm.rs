@@ -70,6 +70,23 @@ fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg)
 }
 
+/// The access header of `len` bytes at `offset` of `region`.
+fn region_access(region: u32, offset: u64, len: usize) -> io::Result<RegionAccess> {
+    let count = u32::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    Ok(RegionAccess {
+        offset,
+        region,
+        count,
+    })
+}
+
+/// A REGION_WRITE payload: the access header, then `data`.
+fn region_write_payload(region: u32, offset: u64, data: &[u8]) -> io::Result<Vec<u8>> {
+    let mut p = region_access(region, offset, data.len())?.encode();
+    p.extend_from_slice(data);
+    Ok(p)
+}
+
 impl Vmm {
     /// Connect to `socket` (retrying for up to [`CONNECT_RETRY`] while the server starts)
     /// and negotiate [`DEFAULT_CAPS`].
@@ -357,15 +374,7 @@ impl Vmm {
 
     /// A posted REGION_WRITE (No_reply, as QEMU sends MMIO writes): nobody waits for it.
     pub fn posted_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
-        let count =
-            u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let mut p = RegionAccess {
-            offset,
-            region,
-            count,
-        }
-        .encode();
-        p.extend_from_slice(data);
+        let p = region_write_payload(region, offset, data)?;
         self.client
             .try_send(Command::RegionWrite as u16, FLAGS_NO_REPLY, &p, &[])
             .map(drop)
@@ -447,13 +456,7 @@ impl Vmm {
 
 impl DeviceAccess for Vmm {
     fn read_bytes(&mut self, region: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
-        let count =
-            u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let a = RegionAccess {
-            offset,
-            region,
-            count,
-        };
+        let a = region_access(region, offset, data.len())?;
         let m = self.call_ok(Command::RegionRead, &a.encode(), &[])?;
         let body = m.payload.get(16..).unwrap_or_default();
         if body.len() != data.len() {
@@ -468,15 +471,7 @@ impl DeviceAccess for Vmm {
     }
 
     fn write_bytes(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<()> {
-        let count =
-            u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let mut p = RegionAccess {
-            offset,
-            region,
-            count,
-        }
-        .encode();
-        p.extend_from_slice(data);
+        let p = region_write_payload(region, offset, data)?;
         self.call_ok(Command::RegionWrite, &p, &[]).map(drop)
     }
 
