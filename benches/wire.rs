@@ -1,6 +1,6 @@
 //! REGION_READ (4 bytes) round trip through the socket with `vfio_user::Client`, against
-//! umdev's server and against `vfio_user::Server` serving the same trivial register
-//! device, side by side in one run.
+//! umdev's server and against `vfio_user::Server` serving the same trivial register device
+//! (`umdev::testing::TrivialDevice`), side by side in one run.
 //!
 //! Run briefly: `cargo bench --bench wire -- --measurement-time 3 --warm-up-time 1`.
 
@@ -10,88 +10,27 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use umdev::device::*;
+use umdev::device::{region_index, Device, REGION_FLAG_READ, REGION_FLAG_WRITE};
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::server::{Server, ServerConfig};
+use umdev::testing::TrivialDevice;
 use vfio_bindings::bindings::vfio::vfio_region_info;
 
-const NUM_REGIONS: u32 = 9;
-const BAR0_SIZE: u64 = 4096;
+/// The trivial register device (umdev::testing's) as a `vfio_user::ServerBackend`; DMA
+/// maps are accepted and ignored.
+#[derive(Default)]
+struct Baseline(TrivialDevice);
 
-/// The trivial register device: BAR0 of 4 KiB registers, a 256-byte config space.
-struct Regs {
-    bar0: Vec<u8>,
+fn io_err(e: umdev::device::DeviceError) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e.errno())
 }
 
-impl Regs {
-    fn new() -> Regs {
-        Regs {
-            bar0: (0..BAR0_SIZE).map(|i| i as u8).collect(),
-        }
-    }
-
-    fn read(&self, region: u32, offset: u64, data: &mut [u8]) {
-        if region == 0 {
-            let o = offset as usize;
-            data.copy_from_slice(&self.bar0[o..o + data.len()]);
-        } else {
-            data.fill(0);
-        }
-    }
-}
-
-impl Device for Regs {
-    fn info(&self) -> DeviceInfo {
-        let mut regions: Vec<RegionInfo> = (0..NUM_REGIONS)
-            .map(|index| RegionInfo {
-                index,
-                ..Default::default()
-            })
-            .collect();
-        regions[0].size = BAR0_SIZE;
-        regions[0].flags = REGION_FLAG_READ | REGION_FLAG_WRITE;
-        regions[7].size = 256;
-        regions[7].flags = REGION_FLAG_READ | REGION_FLAG_WRITE;
-        DeviceInfo {
-            flags: DEVICE_FLAGS_PCI,
-            regions,
-            irqs: (0..5)
-                .map(|index| IrqInfo {
-                    index,
-                    count: 1,
-                    flags: IRQ_INFO_EVENTFD,
-                })
-                .collect(),
-        }
-    }
-
-    fn region_read(
-        &mut self,
-        region: u32,
-        offset: u64,
-        data: &mut [u8],
-    ) -> Result<(), DeviceError> {
-        self.read(region, offset, data);
-        Ok(())
-    }
-
-    fn region_write(
-        &mut self,
-        _region: u32,
-        _offset: u64,
-        _data: &[u8],
-    ) -> Result<(), DeviceError> {
-        Ok(())
-    }
-}
-
-impl vfio_user::ServerBackend for Regs {
+impl vfio_user::ServerBackend for Baseline {
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> std::io::Result<()> {
-        self.read(region, offset, data);
-        Ok(())
+        self.0.region_read(region, offset, data).map_err(io_err)
     }
-    fn region_write(&mut self, _region: u32, _offset: u64, _data: &[u8]) -> std::io::Result<()> {
-        Ok(())
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.0.region_write(region, offset, data).map_err(io_err)
     }
     fn dma_map(
         &mut self,
@@ -112,7 +51,7 @@ impl vfio_user::ServerBackend for Regs {
         Ok(())
     }
     fn reset(&mut self) -> std::io::Result<()> {
-        Ok(())
+        self.0.reset().map_err(io_err)
     }
     fn set_irqs(
         &mut self,
@@ -127,12 +66,13 @@ impl vfio_user::ServerBackend for Regs {
 }
 
 fn baseline_server(path: &Path) -> std::thread::JoinHandle<()> {
-    let regions = (0..NUM_REGIONS)
+    let regions = (0..region_index::COUNT)
         .map(|index| {
-            let (size, flags) = match index {
-                0 => (BAR0_SIZE, REGION_FLAG_READ | REGION_FLAG_WRITE),
-                7 => (256, REGION_FLAG_READ | REGION_FLAG_WRITE),
-                _ => (0, 0),
+            let size = TrivialDevice::region_size(index);
+            let flags = if size > 0 {
+                REGION_FLAG_READ | REGION_FLAG_WRITE
+            } else {
+                0
             };
             vfio_user::ServerRegion {
                 region_info: vfio_region_info {
@@ -148,16 +88,10 @@ fn baseline_server(path: &Path) -> std::thread::JoinHandle<()> {
             }
         })
         .collect();
-    let irqs = (0..5)
-        .map(|index| vfio_user::IrqInfo {
-            index,
-            count: 1,
-            flags: IRQ_INFO_EVENTFD,
-        })
-        .collect();
-    let server = vfio_user::Server::new(path, false, irqs, regions).expect("vfio_user server");
+    let server =
+        vfio_user::Server::new(path, false, Vec::new(), regions).expect("vfio_user server");
     std::thread::spawn(move || {
-        let mut backend = Regs::new();
+        let mut backend = Baseline::default();
         let _ = server.run(&mut backend);
     })
 }
@@ -167,9 +101,13 @@ fn region_read_round_trip(c: &mut Criterion) {
 
     let umdev_path = dir.path().join("umdev.sock");
     let dma = DmaSpace::new(DmaConfig::default());
-    let running = Server::new(ServerConfig::new(&umdev_path), Box::new(Regs::new()), dma)
-        .spawn()
-        .expect("umdev server");
+    let running = Server::new(
+        ServerConfig::new(&umdev_path),
+        Box::new(TrivialDevice::default()),
+        dma,
+    )
+    .spawn()
+    .expect("umdev server");
     let umdev_client = vfio_user::Client::new(&umdev_path).expect("connect umdev");
 
     let base_path = dir.path().join("vfio_user.sock");

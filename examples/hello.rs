@@ -13,6 +13,10 @@
 //! `cargo run --example hello` serves the device on a socket and drives it with the
 //! embedded VMM (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve
 //! it, e.g. for QEMU 10.1+ (see the README for the command line).
+//!
+//! The test at the end is how a device author tests a device with `umdev::testing`
+//! (`[dev-dependencies] umdev = { ..., features = ["testing"] }`); it runs with
+//! `cargo test --example hello` and with `cargo test --workspace`.
 use std::{env, path::PathBuf, time::Duration};
 
 use crossbeam_channel::Sender;
@@ -21,8 +25,8 @@ use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
 use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
 use umdev::server::{Server, ServerConfig};
+use umdev::testing::{wait_eventfd, DeviceAccess, Vmm};
 use umdev_cli::signals::TerminationSignals;
-use umdev_cli::vmm::{wait_eventfd, Vmm};
 
 const REG_ID: u64 = 0x00;
 const REG_ADDR: u64 = 0x08;
@@ -139,7 +143,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // Play VMM and guest driver: 1 MiB of guest RAM at 1 GiB, counter at its start.
-    let mut vmm = Vmm::connect(&socket, 1 << 30, 1 << 20)?;
+    let mut vmm = Vmm::connect(&socket)?.with_ram(1 << 30, 1 << 20)?;
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;
     println!("ID register: {:#x}", vmm.read32(0, REG_ID)?);
@@ -148,14 +152,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for add in [1u32, 2, 39] {
         vmm.write32(0, REG_DOORBELL, add)?;
         let fired = wait_eventfd(&msi, Duration::from_secs(2)).is_some();
-        let mut counter = [0u8; 8];
-        vmm.ram.read(1 << 30, &mut counter)?;
-        println!(
-            "doorbell +{add}: counter = {}, MSI fired: {fired}",
-            u64::from_le_bytes(counter)
-        );
+        let counter = vmm.ram().read_u64(1 << 30)?;
+        println!("doorbell +{add}: counter = {counter}, MSI fired: {fired}");
     }
     drop(vmm);
     server.shutdown()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use umdev::testing::TestServer;
+
+    #[test]
+    fn test_hello_doorbell_adds_to_guest_counter_and_raises_msi(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let server = TestServer::start_pci(Hello::default())?;
+        let mut vmm = server.connect()?.with_ram(1 << 30, 1 << 20)?;
+        vmm.enable_device()?;
+        let msi = vmm.enable_msi()?;
+        assert_eq!(vmm.read32(0, REG_ID)?, MAGIC);
+        vmm.ram().write_u64(1 << 30, 40)?;
+        vmm.write64(0, REG_ADDR, 1 << 30)?;
+        vmm.write32(0, REG_DOORBELL, 2)?;
+        assert!(
+            wait_eventfd(&msi, Duration::from_secs(2)).is_some(),
+            "no MSI"
+        );
+        assert_eq!(vmm.ram().read_u64(1 << 30)?, 42);
+        // An address nothing maps: the DMA fails (logged), no interrupt, the device serves on.
+        vmm.write64(0, REG_ADDR, 0x1000)?;
+        vmm.write32(0, REG_DOORBELL, 1)?;
+        assert_eq!(wait_eventfd(&msi, Duration::from_millis(50)), None);
+        assert_eq!(vmm.read32(0, REG_ID)?, MAGIC);
+        Ok(())
+    }
 }

@@ -3,7 +3,6 @@
 
 use std::fs::File;
 use std::io::BufWriter;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,13 +11,14 @@ use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::pci::PciAdapter;
 use umdev::server::{RunningServer, Server, ServerConfig};
-use umdev_cli::vmm::{wait_eventfd, Bar0, Vmm};
+use umdev::testing::{wait_eventfd, DeviceAccess, Vmm};
 use umdev_devices::ccw::driver::{self as ccw, regs as ccw_regs, CcwWord};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::commands::Command as GpuCmd;
 use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::{GTT_ENTRIES, IRQ_FENCE};
 use umdev_devices::gpu::{Gpu, GpuConfig, BAR_FB};
+use umdev_devices::testing::{run_ccw_program, Bar0};
 
 use crate::{CliResult, DeviceKind};
 
@@ -89,7 +89,7 @@ fn surface_page(i: u32, pages: u32) -> u64 {
 }
 
 fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
-    let mut vmm = Vmm::connect(socket, RAM_BASE, RAM_SIZE)?;
+    let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;
     let (width, height, stride) = (640u32, 480u32, 640 * 4);
@@ -101,11 +101,11 @@ fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
             .flat_map(|x| (0xff00_0000 | (x * 2) << 16 | (y * 2) << 8 | 0xc0).to_le_bytes())
             .collect();
         let off = u64::from(y * sstride);
-        vmm.ram
+        vmm.ram()
             .write(surface_page((off / PAGE) as u32, pages) + off % PAGE, &row)?;
     }
-    let ram = &mut vmm.ram;
-    let mut drv = Driver::probe(Bar0(&mut vmm.client))?;
+    let mut ram = vmm.ram().clone();
+    let mut drv = Driver::probe(Bar0(&mut vmm))?;
     drv.set_mode(width, height, stride)?;
     drv.setup_ring(RAM_BASE, 64 * 1024)?;
     drv.enable_irqs(IRQ_FENCE)?;
@@ -157,7 +157,7 @@ fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
         h: sh,
     });
     cmds.push(GpuCmd::Fence { value: 1 });
-    drv.submit(ram, &cmds)?;
+    drv.submit(&mut ram, &cmds)?;
     let fired = wait_eventfd(&msi, Duration::from_secs(5)).is_some();
     drv.wait_fence(1)?;
     println!(
@@ -168,7 +168,7 @@ fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
         cmds.len()
     );
     drv.clear_gtt(0, pages)?;
-    write_framebuffer_png(&vmm.client, width, height, stride, out)?;
+    write_framebuffer_png(&mut vmm, width, height, stride, out)?;
     println!(
         "gpu: framebuffer (read through the BAR2 sparse mmap) written to {}",
         out.display()
@@ -180,55 +180,19 @@ fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
 }
 
 /// mmap BAR2 the way a VMM does (the fd from GET_REGION_INFO) and encode it as PNG.
-fn write_framebuffer_png(
-    client: &vfio_user::Client,
-    w: u32,
-    h: u32,
-    stride: u32,
-    out: &Path,
-) -> CliResult {
-    let region = client
-        .region(BAR_FB as u32)
-        .ok_or("no framebuffer region")?;
-    let fo = region
-        .file_offset
-        .as_ref()
-        .ok_or("framebuffer region is not mmappable")?;
-    let len = usize::try_from(region.size)?;
-    if u64::from(stride) * u64::from(h) > region.size {
+fn write_framebuffer_png(vmm: &mut Vmm, w: u32, h: u32, stride: u32, out: &Path) -> CliResult {
+    let fb = vmm
+        .map_region(BAR_FB as u32)
+        .map_err(|e| format!("framebuffer region is not mmappable: {e}"))?;
+    if u64::from(stride) * u64::from(h) > fb.len() as u64 {
         return Err("mode does not fit the framebuffer".into());
     }
-    let off = libc::off_t::try_from(fo.start())?;
-    // SAFETY: a fresh read-only shared mapping of the region fd; checked for MAP_FAILED.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            fo.file().as_raw_fd(),
-            off,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error().into());
-    }
     let mut rgb = Vec::with_capacity((w * h * 3) as usize);
+    let mut row = vec![0u8; (w * 4) as usize];
     for y in 0..h {
-        let mut row = vec![0u8; (w * 4) as usize];
-        // SAFETY: `y * stride + w * 4 <= stride * h <= len` (checked above); a raw copy out
-        // of shared memory that the device may still write.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                p.cast::<u8>().add((y * stride) as usize),
-                row.as_mut_ptr(),
-                row.len(),
-            )
-        };
+        fb.read((y * stride) as usize, &mut row)?;
         rgb.extend(row.chunks_exact(4).flat_map(|px| [px[2], px[1], px[0]]));
     }
-    // SAFETY: unmapping exactly the mapping made above.
-    unsafe { libc::munmap(p, len) };
     let mut enc = png::Encoder::new(BufWriter::new(File::create(out)?), w, h);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
@@ -248,7 +212,8 @@ fn fill_pattern(buf: &mut [u8], seed: u64) {
 }
 
 fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
-    let mut vmm = Vmm::connect(socket, RAM_BASE, RAM_SIZE)?;
+    let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
+    let ram = vmm.ram().clone();
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;
     let blocks = u64::from(vmm.read32(0, ccw_regs::CAPACITY_LO)?);
@@ -268,13 +233,14 @@ fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
         fill_pattern(&mut data, n as u64 + 7);
         let src: Vec<u64> = pages.iter().map(|&p| data_page(p)).collect();
         for (i, &gpa) in src.iter().enumerate() {
-            vmm.ram
-                .write(gpa, &data[i * PAGE as usize..(i + 1) * PAGE as usize])?;
+            ram.write(gpa, &data[i * PAGE as usize..(i + 1) * PAGE as usize])?;
         }
         let idal = RAM_BASE + 0x1000;
-        vmm.ram.write(idal, &ccw::encode_idaws(&src))?;
+        ram.write(idal, &ccw::encode_idaws(&src))?;
         let block = n as u64 * 64;
-        let st = vmm.run_ccw_program(
+        let st = run_ccw_program(
+            &mut vmm,
+            &ram,
             &msi,
             &[CcwWord::write(len as u16, idal).ida(src.len() as u32)],
             block,
@@ -284,16 +250,17 @@ fn ccw_demo(socket: &Path, image: &Path) -> CliResult {
         let dst: Vec<u64> = (0..pages.len() as u64)
             .map(|i| data_page(200 + (pages.len() as u64 - 1 - i) * 3))
             .collect();
-        vmm.ram.write(idal, &ccw::encode_idaws(&dst))?;
-        let st = vmm.run_ccw_program(
+        ram.write(idal, &ccw::encode_idaws(&dst))?;
+        let st = run_ccw_program(
+            &mut vmm,
+            &ram,
             &msi,
             &[CcwWord::read(len as u16, idal).ida(dst.len() as u32)],
             block,
         )?;
         let mut back = vec![0u8; len as usize];
         for (i, &gpa) in dst.iter().enumerate() {
-            vmm.ram
-                .read(gpa, &mut back[i * PAGE as usize..(i + 1) * PAGE as usize])?;
+            ram.read(gpa, &mut back[i * PAGE as usize..(i + 1) * PAGE as usize])?;
         }
         let ok = back == data && st.fault == 0;
         println!("ccw: READ  {len} bytes from block {block} into {} reversed pages: dstat {:#04x} cstat {:#04x}; data {}", dst.len(), st.device_status, st.channel_status, if ok { "verified" } else { "MISMATCH" });

@@ -1,6 +1,6 @@
-//! Library side of the `umdev` command: the embedded VMM used by `umdev demo`, the
-//! `hello` example and the end-to-end tests.
+//! Library side of the `umdev` command: termination-signal handling shared by `umdev run`
+//! and the `hello` example. (The embedded VMM that `umdev demo`, the example and the tests
+//! drive devices with is `umdev::testing::Vmm`.)
 #![deny(missing_docs)]
 
 pub mod signals;
-pub mod vmm;

@@ -5,24 +5,22 @@
 //! test is the guest driver. With BME clear the work fails with the device's documented
 //! error and guest memory stays as it was; with BME set again the same work succeeds.
 
-mod common;
-#[path = "hostile_guest_rig/raw_vmm.rs"]
-mod raw_vmm;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
 use std::fs::File;
-use std::io;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use raw_vmm::RawVmm;
-use rig::{client_map, enable_device, wait_until, Served};
+use independent::{client_map, enable_device, SocketRegs};
 use umdev::device::region_index;
-use umdev::dma::DmaConfig;
+use umdev::pci::PciAdapter;
+use umdev::testing::{
+    memfd, wait_until, DeviceAccess, FdlessMemory, GuestMemory, RawClient, TestServer, Vmm,
+};
 use umdev_devices::ccw::driver::{self, cstat, dstat, regs, CcwWord, Fault, OperationBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam, RegisterAccess};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::{ERR_NONE, ERR_RING_FAULT};
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -50,7 +48,7 @@ const DATA_LEN: usize = 8192;
 const BLOCKS: u64 = 64;
 
 struct CcwVm {
-    served: Served<Ccw>,
+    served: TestServer<PciAdapter<Ccw>>,
     client: vfio_user::Client,
     ram: File,
 }
@@ -60,11 +58,15 @@ impl CcwVm {
         let dir = tempfile::tempdir().unwrap();
         let ccw =
             Ccw::new(CcwConfig::new(dir.path().join("ccw.img")).with_capacity(BLOCKS)).unwrap();
-        let served = Served::start(ccw, DmaConfig::default(), dir, |_| {});
-        let mut client = served.connect();
+        let served = TestServer::builder_pci(ccw)
+            .unwrap()
+            .in_dir(dir)
+            .start()
+            .unwrap();
+        let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let ram = rig::memfd(RAM_SIZE);
-        client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
+        let ram = memfd(RAM_SIZE).unwrap();
+        client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
         CcwVm {
             served,
             client,
@@ -115,7 +117,7 @@ fn test_ccw_socket_bus_master_clear_program_refused_then_runs_when_set() {
     let mut vm = CcwVm::new();
     // Image blocks the program reads, and guest memory it would overwrite.
     let pattern: Vec<u8> = (0..DATA_LEN).map(|i| (i * 37 + 11) as u8).collect();
-    let image = vm.served.dir.path().join("ccw.img");
+    let image = vm.served.dir().join("ccw.img");
     let f = File::options().write(true).open(&image).unwrap();
     f.write_all_at(&pattern, 0).unwrap();
     let opb = OperationBlock {
@@ -178,10 +180,14 @@ const FDLESS_SIZE: u64 = 0x1000;
 fn test_ccw_socket_bus_master_clear_sends_no_dma_read_for_fdless_memory() {
     let dir = tempfile::tempdir().unwrap();
     let ccw = Ccw::new(CcwConfig::new(dir.path().join("ccw.img")).with_capacity(BLOCKS)).unwrap();
-    let served = Served::start(ccw, DmaConfig::default(), dir, |_| {});
-    let c = common::RawClient::new_default(&served.path);
-    let mut vmm = RawVmm::new(c, FDLESS, FDLESS_SIZE as usize);
-    assert_eq!(vmm.map(FDLESS, FDLESS_SIZE, None), 0);
+    let served = TestServer::builder_pci(ccw)
+        .unwrap()
+        .in_dir(dir)
+        .start()
+        .unwrap();
+    let c = RawClient::new_default(served.path());
+    let mut vmm = Vmm::from_client(c).with_fdless(FdlessMemory::new(FDLESS, FDLESS_SIZE as usize));
+    vmm.dma_map_fdless(FDLESS, FDLESS_SIZE).unwrap();
     // Operation block, a NOP program and the status block, all in fd-less memory.
     let opb = OperationBlock {
         program: FDLESS + 0x100,
@@ -190,48 +196,55 @@ fn test_ccw_socket_bus_master_clear_sends_no_dma_read_for_fdless_memory() {
         flags: 0,
         reserved: 0,
     };
-    vmm.mem[..32].copy_from_slice(&opb.to_bytes());
+    vmm.mem_mut()[..32].copy_from_slice(&opb.to_bytes());
     let prog = driver::encode_program(&[CcwWord::nop()]);
-    vmm.mem[0x100..0x100 + prog.len()].copy_from_slice(&prog);
-    vmm.mem[0x200..0x220].fill(0xee);
+    vmm.mem_mut()[0x100..0x100 + prog.len()].copy_from_slice(&prog);
+    vmm.mem_mut()[0x200..0x220].fill(0xee);
     let bar = region_index::BAR0;
-    let run = |vmm: &mut RawVmm| -> (u32, u32) {
-        let done = vmm.read32(bar, regs::COMPLETED);
-        vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32);
-        vmm.write32(bar, regs::OPB_ADDR_HI, 0);
-        vmm.write32(bar, regs::START, 1);
+    let run = |vmm: &mut Vmm| -> (u32, u32) {
+        let done = vmm.read32(bar, regs::COMPLETED).unwrap();
+        vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32).unwrap();
+        vmm.write32(bar, regs::OPB_ADDR_HI, 0).unwrap();
+        vmm.write32(bar, regs::START, 1).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while vmm.read32(bar, regs::COMPLETED) == done
-            || vmm.read32(bar, regs::STATUS) & regs::STATUS_BUSY != 0
+        while vmm.read32(bar, regs::COMPLETED).unwrap() == done
+            || vmm.read32(bar, regs::STATUS).unwrap() & regs::STATUS_BUSY != 0
         {
             assert!(Instant::now() < deadline, "program never completed");
             std::thread::sleep(Duration::from_millis(1));
         }
-        let irq = vmm.read32(bar, regs::IRQ_STATUS);
-        vmm.write32(bar, regs::IRQ_STATUS, irq);
-        (irq, vmm.read32(bar, regs::LAST_STATUS))
+        let irq = vmm.read32(bar, regs::IRQ_STATUS).unwrap();
+        vmm.write32(bar, regs::IRQ_STATUS, irq).unwrap();
+        (irq, vmm.read32(bar, regs::LAST_STATUS).unwrap())
     };
 
-    vmm.write(region_index::CONFIG, 4, &CMD_MEM.to_le_bytes());
+    vmm.write_bytes(region_index::CONFIG, 4, &CMD_MEM.to_le_bytes())
+        .unwrap();
     let (irq, last) = run(&mut vmm);
     assert_eq!(
-        vmm.requests, 0,
+        vmm.requests(),
+        0,
         "DMA requests with BME clear: {:?}",
-        vmm.log
+        vmm.log()
     );
     assert_eq!(irq, regs::IRQ_DONE | regs::IRQ_STATUS_LOST);
     assert_eq!(
         driver::decode_last_status(last).2,
         Some(Fault::BusMasterOff)
     );
-    assert_eq!(vmm.mem[0x200..0x220], [0xee; 32], "status block untouched");
+    assert_eq!(
+        vmm.mem()[0x200..0x220],
+        [0xee; 32],
+        "status block untouched"
+    );
 
-    vmm.write(region_index::CONFIG, 4, &CMD_MEM_BME.to_le_bytes());
+    vmm.write_bytes(region_index::CONFIG, 4, &CMD_MEM_BME.to_le_bytes())
+        .unwrap();
     let (irq, last) = run(&mut vmm);
-    assert!(vmm.requests > 0, "the device never asked the VMM");
+    assert!(vmm.requests() > 0, "the device never asked the VMM");
     assert_eq!(irq, regs::IRQ_DONE);
     assert_eq!(driver::decode_last_status(last).2, Some(Fault::None));
-    assert_ne!(vmm.mem[0x200..0x220], [0xee; 32], "status block stored");
+    assert_ne!(vmm.mem()[0x200..0x220], [0xee; 32], "status block stored");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -247,52 +260,24 @@ const W: u32 = 64;
 const H: u32 = 64;
 const READBACK_GTT: u32 = 3;
 
-/// BAR0 through the vfio-user socket.
-struct SocketRegs(vfio_user::Client);
-
-fn io_err(e: vfio_user::Error) -> io::Error {
-    io::Error::other(e.to_string())
-}
-
-impl RegisterAccess for SocketRegs {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(region_index::BAR0, off, &mut b)
-            .map_err(io_err)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(io_err)
-    }
-}
-
 #[test]
 fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
-    let served = Served::start(
-        gpu,
-        DmaConfig::default(),
-        tempfile::tempdir().unwrap(),
-        |_| {},
-    );
-    let mut client = served.connect();
+    let served = TestServer::builder_pci(gpu).unwrap().start().unwrap();
+    let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let mut ram = GuestMemfd::new(GPU_RAM, GPU_RAM_SIZE).unwrap();
+    let mut ram = GuestMemory::new(GPU_RAM, GPU_RAM_SIZE).unwrap();
     let fd = ram.fd();
-    client_map(&mut client, &served.dma, &fd, 0, RING_GPA, 1 << 20);
+    client_map(&mut client, served.dma(), &fd, 0, RING_GPA, 1 << 20);
     client_map(
         &mut client,
-        &served.dma,
+        served.dma(),
         &fd,
         SURF_GPA - GPU_RAM,
         SURF_GPA,
         SURF_SIZE,
     );
-    let mut drv = Driver::probe(SocketRegs(client)).unwrap();
+    let mut drv = Driver::probe(SocketRegs::new(client)).unwrap();
     drv.set_mode(W, H, W * 4).unwrap();
     drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
     drv.enable_irqs(IRQ_ERROR).unwrap();
@@ -319,13 +304,13 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
         },
         Command::Fence { value: 1 },
     ];
-    let guest_page = |ram: &mut GuestMemfd| {
+    let guest_page = |ram: &GuestMemory| {
         let mut b = vec![0u8; 4096];
         ram.read(page, &mut b).unwrap();
         b
     };
 
-    set_command(&mut drv.regs().0, CMD_MEM);
+    set_command(&mut drv.regs().client, CMD_MEM);
     let head = drv.read(REG_RING_HEAD).unwrap();
     let ring_before = {
         let mut b = vec![0u8; RING_SIZE as usize];
@@ -346,10 +331,7 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
         Some(0),
         "FILL did not run"
     );
-    assert!(
-        guest_page(&mut ram) == vec![0xee; 4096],
-        "READBACK did not run"
-    );
+    assert!(guest_page(&ram) == vec![0xee; 4096], "READBACK did not run");
     // The ring holds exactly what the driver published: the device wrote nothing.
     let mut expected = ring_before;
     let published = Command::encode_bytes(&work);
@@ -366,14 +348,14 @@ fn test_gpu_socket_bus_master_clear_ring_not_fetched_then_same_work_succeeds() {
     drv.ack(IRQ_ALL).unwrap();
 
     // Bus Master set again: the same commands, published again, run.
-    set_command(&mut drv.regs().0, CMD_MEM_BME);
+    set_command(&mut drv.regs().client, CMD_MEM_BME);
     drv.submit(&mut ram, &work).unwrap();
     drv.wait_fence(1).unwrap();
     drv.wait_idle().unwrap();
     assert_eq!(drv.error().unwrap(), (ERR_NONE, 0), "no new error");
     assert_eq!(drv.read(REG_IRQ_STATUS).unwrap() & IRQ_ERROR, 0);
     assert_eq!(served.device().device().pixel(3, 3), Some(color));
-    let got = guest_page(&mut ram);
+    let got = guest_page(&ram);
     for x in 0..4 {
         assert_eq!(got[x * 4..x * 4 + 4], color.to_le_bytes(), "pixel {x}");
     }

@@ -3,16 +3,20 @@
 //! accesses), the test is the guest driver (channel programs built with
 //! `umdev_devices::ccw::driver`), and umdev's server runs `PciAdapter<Ccw>` on an image file.
 
+#[path = "common/independent_client.rs"]
+mod independent;
+
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use independent::find_capability;
 use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
-use umdev::server::{RunningServer, Server, ServerConfig};
+use umdev::testing::{memfd, wait_eventfd, TestServer};
 use umdev_devices::ccw::driver::{
     self, cstat, dstat, regs, CcwWord, Fault, OperationBlock, StatusBlock,
 };
@@ -58,19 +62,9 @@ impl Rng {
     }
 }
 
-fn memfd(size: u64) -> File {
-    // SAFETY: memfd_create with a NUL-terminated literal name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"ccw-e2e-ram".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh fd we own.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(size).unwrap();
-    f
-}
-
 /// One server + client session on `image`.
 struct Session {
-    server: Option<RunningServer>,
+    server: TestServer<PciAdapter<Ccw>>,
     client: Client,
     space: Arc<DmaSpace>,
     ram: File,
@@ -78,25 +72,25 @@ struct Session {
 }
 
 impl Session {
-    fn start(dir: &Path, image: &Path, policy: PinPolicy) -> Session {
-        let space = DmaSpace::new(DmaConfig {
-            policy,
-            lock_limit_bytes: Some(1 << 20),
-            ..DmaConfig::default()
-        });
+    fn start(image: &Path, policy: PinPolicy) -> Session {
         let ccw = Ccw::new(CcwConfig::new(image).with_capacity(BLOCKS)).unwrap();
-        let dev = PciAdapter::new(ccw).unwrap();
-        let sock = dir.join("ccw.sock");
-        let server = Server::new(ServerConfig::new(&sock), Box::new(dev), space.clone())
-            .spawn()
+        let server = TestServer::builder_pci(ccw)
+            .unwrap()
+            .dma_config(DmaConfig {
+                policy,
+                lock_limit_bytes: Some(1 << 20),
+                ..DmaConfig::default()
+            })
+            .start()
             .unwrap();
-        let mut client = Client::new(&sock).expect("connect");
-        let ram = memfd(RAM_SIZE);
+        let space = server.dma().clone();
+        let mut client = Client::new(server.path()).expect("connect");
+        let ram = memfd(RAM_SIZE).unwrap();
         client.dma_map(0, RAM, RAM_SIZE, ram.as_raw_fd()).unwrap();
 
         // Memory + bus master, then MSI enable, then the eventfd.
         client.region_write(CONFIG, 4, &6u16.to_le_bytes()).unwrap();
-        let cap = find_cap(&mut client, MSI_CAP_ID).expect("MSI capability");
+        let cap = find_capability(&mut client, MSI_CAP_ID).expect("MSI capability");
         let mut ctl = [0u8; 2];
         client.region_read(CONFIG, cap + 2, &mut ctl).unwrap();
         let ctl = u16::from_le_bytes(ctl) | 1;
@@ -114,7 +108,7 @@ impl Session {
             )
             .unwrap();
         Session {
-            server: Some(server),
+            server,
             client,
             space,
             ram,
@@ -145,14 +139,7 @@ impl Session {
     }
 
     fn wait_msi(&self) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: self.msi.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, 5000) };
-        n == 1 && self.msi.read().is_ok()
+        wait_eventfd(&self.msi, Duration::from_secs(5)).is_some()
     }
 
     /// Run a program at `block` with the status block at `status`; returns IRQ_STATUS.
@@ -190,31 +177,11 @@ impl Session {
     }
 
     /// Disconnect and stop the server; returns the DMA space for post-mortem checks.
-    fn stop(mut self) -> Arc<DmaSpace> {
+    fn stop(self) -> Arc<DmaSpace> {
         let _ = self.client.shutdown();
-        if let Some(s) = self.server.take() {
-            s.shutdown().unwrap();
-        }
-        self.space.clone()
+        self.server.shutdown().unwrap();
+        self.space
     }
-}
-
-fn find_cap(client: &mut Client, id: u8) -> Option<u64> {
-    let mut b = [0u8; 1];
-    client.region_read(CONFIG, 0x34, &mut b).unwrap();
-    let mut ptr = u64::from(b[0] & !3);
-    for _ in 0..48 {
-        if ptr == 0 {
-            return None;
-        }
-        let mut hdr = [0u8; 2];
-        client.region_read(CONFIG, ptr, &mut hdr).unwrap();
-        if hdr[0] == id {
-            return Some(ptr);
-        }
-        ptr = u64::from(hdr[1] & !3);
-    }
-    None
 }
 
 /// Scatter `data` over the places an IDAW list names.
@@ -246,13 +213,13 @@ fn tmp() -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn test_ccw_e2e_contiguous_scattered_mixed_roundtrip_and_persists_across_restart() {
-    let (dir, image) = tmp();
+    let (_dir, image) = tmp();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let a = rng.bytes(40000); // direct, contiguous
     let b = rng.bytes(30000); // scattered IDA
     let c = rng.bytes(20000); // mixed: direct data-chained to IDA
     {
-        let mut s = Session::start(dir.path(), &image, PinPolicy::Translate);
+        let mut s = Session::start(&image, PinPolicy::Translate);
         // Contiguous.
         s.write(DATA, &a);
         assert!(s.run(&[CcwWord::write(40000, DATA)], 0).is_ok());
@@ -287,7 +254,7 @@ fn test_ccw_e2e_contiguous_scattered_mixed_roundtrip_and_persists_across_restart
         s.stop();
     }
     // Restart the server on the same image: the data is there.
-    let mut s = Session::start(dir.path(), &image, PinPolicy::Lock);
+    let mut s = Session::start(&image, PinPolicy::Lock);
     let pages = rng.shuffled_pages(DATA + 0x200000, 16);
     let rb = driver::idaws_over_pages(&pages, 0x10, 30000).unwrap();
     s.write(IDAWS, &driver::encode_idaws(&rb));
@@ -312,8 +279,8 @@ fn test_ccw_e2e_contiguous_scattered_mixed_roundtrip_and_persists_across_restart
 
 #[test]
 fn test_ccw_e2e_bad_programs_end_in_documented_status() {
-    let (dir, image) = tmp();
-    let mut s = Session::start(dir.path(), &image, PinPolicy::Lock);
+    let (_dir, image) = tmp();
+    let mut s = Session::start(&image, PinPolicy::Lock);
     let ends = dstat::CHANNEL_END | dstat::DEVICE_END;
     type Setup = fn(&Session) -> Vec<CcwWord>;
     let cases: Vec<(&str, Setup, Fault, u8)> = vec![
@@ -433,8 +400,8 @@ fn start_long_program(s: &mut Session) {
 
 #[test]
 fn test_ccw_e2e_dma_unmap_during_program_leaves_no_pins() {
-    let (dir, image) = tmp();
-    let mut s = Session::start(dir.path(), &image, PinPolicy::Lock);
+    let (_dir, image) = tmp();
+    let mut s = Session::start(&image, PinPolicy::Lock);
     start_long_program(&mut s);
     s.client.dma_unmap(RAM, RAM_SIZE).unwrap();
     // The unmap reply means the device released whatever it pinned in RAM.
@@ -450,8 +417,8 @@ fn test_ccw_e2e_dma_unmap_during_program_leaves_no_pins() {
 
 #[test]
 fn test_ccw_e2e_disconnect_during_program_leaves_no_pins() {
-    let (dir, image) = tmp();
-    let mut s = Session::start(dir.path(), &image, PinPolicy::Lock);
+    let (_dir, image) = tmp();
+    let mut s = Session::start(&image, PinPolicy::Lock);
     start_long_program(&mut s);
     let space = s.stop();
     let st = space.stats();

@@ -10,13 +10,13 @@ mod common;
 
 use std::os::fd::{AsRawFd, RawFd};
 
-use common::raw_client::{Msg, RawClient};
 use common::test_device::*;
 use common::TestServer;
 use umdev::protocol::dma_map::{
     DmaMapRequest, DmaUnmapRequest, DMA_MAP_FLAG_READ, DMA_MAP_FLAG_WRITE, DMA_UNMAP_FLAG_ALL,
 };
 use umdev::protocol::Command;
+use umdev::testing::{memfd, Msg, RawClient};
 
 const PAGE: u64 = 4096;
 /// The last page of the IOVA space: a range starting here with size 0x1000 ends at 2^64.
@@ -109,13 +109,13 @@ fn map_all(c: &mut RawClient, mem: &std::fs::File) {
 #[test]
 fn test_sweep_power_of_two_over_maps_and_gaps_removes_covered_reply_bytes() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
     map_all(&mut c, &mem);
     // [0, 2 MiB): the first three maps and the space around them.
     let removed = unmap_ok(&mut c, 0, 0x20_0000);
     assert_eq!(removed, 0x4000 + 0x1_0000 + 0x1000);
-    assert_eq!(ts.dma.stats().maps, 1);
+    assert_eq!(ts.dma().stats().maps, 1);
     assert_eq!(
         ts.state().unmaps,
         vec![
@@ -135,43 +135,43 @@ fn test_sweep_power_of_two_over_maps_and_gaps_removes_covered_reply_bytes() {
     for (iova, size) in &MAPS[..3] {
         map_ok(&mut c, *iova, *size, Some(mem.as_raw_fd()));
     }
-    assert_eq!(ts.dma.stats().maps, 4);
-    ts.dma.check_invariants().unwrap();
+    assert_eq!(ts.dma().stats().maps, 4);
+    ts.dma().check_invariants().unwrap();
 }
 
 #[test]
 fn test_sweep_whole_address_space_removes_every_map() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
     map_all(&mut c, &mem);
     map_ok(&mut c, 0x8000_0000_0000_0000, 0x1000, None);
     // The two halves of the address space, the upper one ending at 2^64.
     assert_eq!(unmap_ok(&mut c, 1 << 63, 1 << 63), 0x1000);
-    assert_eq!(ts.dma.stats().maps, 4);
+    assert_eq!(ts.dma().stats().maps, 4);
     assert_eq!(unmap_ok(&mut c, 0, 1 << 63), 0x1_d000);
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     // The largest range a u64 size allows: everything but the last page.
     map_all(&mut c, &mem);
     assert_eq!(unmap_ok(&mut c, 0, TOP_PAGE), 0x1_d000);
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     assert_eq!(ts.state().unmaps.len(), 9);
 }
 
 #[test]
 fn test_sweep_range_ending_at_2_pow_64_accepted() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x4000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x4000).unwrap();
     // The highest map possible: it ends one page below 2^64 (a map cannot end at 2^64).
     let top_map = TOP_PAGE - 0x4000;
     map_ok(&mut c, top_map, 0x4000, Some(mem.as_raw_fd()));
     // Nothing in the last page itself.
     assert_eq!(unmap_ok(&mut c, TOP_PAGE, 0x1000), 0);
-    assert_eq!(ts.dma.stats().maps, 1);
+    assert_eq!(ts.dma().stats().maps, 1);
     // From the map to 2^64.
     assert_eq!(unmap_ok(&mut c, top_map, 0x5000), 0x4000);
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     assert_eq!(ts.state().unmaps, vec![(top_map, 0x4000)]);
     // One page past 2^64 still wraps.
     let r = unmap(&mut c, TOP_PAGE, 0x2000);
@@ -181,8 +181,8 @@ fn test_sweep_range_ending_at_2_pow_64_accepted() {
 #[test]
 fn test_sweep_splitting_a_map_einval_nothing_removed_then_exact_unmap_works() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
     map_all(&mut c, &mem);
     for (iova, size) in [
         (0x4_8000, 0x1000),    // inside the 64 KiB map
@@ -192,7 +192,11 @@ fn test_sweep_splitting_a_map_einval_nothing_removed_then_exact_unmap_works() {
         let r = unmap(&mut c, iova, size);
         assert!(r.header.is_error(), "{iova:#x}+{size:#x} accepted");
         assert_eq!(r.header.error, libc::EINVAL as u32, "{iova:#x}+{size:#x}");
-        assert_eq!(ts.dma.stats().maps, 4, "{iova:#x}+{size:#x} removed a map");
+        assert_eq!(
+            ts.dma().stats().maps,
+            4,
+            "{iova:#x}+{size:#x} removed a map"
+        );
         assert!(
             ts.state().unmaps.is_empty(),
             "device notified of a refused unmap"
@@ -202,38 +206,38 @@ fn test_sweep_splitting_a_map_einval_nothing_removed_then_exact_unmap_works() {
     }
     // The exact range of the map still unmaps it.
     assert_eq!(unmap_ok(&mut c, 0x4_0000, 0x1_0000), 0x1_0000);
-    assert_eq!(ts.dma.stats().maps, 3);
+    assert_eq!(ts.dma().stats().maps, 3);
     assert_eq!(ts.state().unmaps, vec![(0x4_0000, 0x1_0000)]);
 }
 
 #[test]
 fn test_sweep_empty_range_succeeds_zero_bytes_nothing_notified() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
     map_all(&mut c, &mem);
     for (iova, size) in [(0x0, 0x1_0000), (0x1_4000, 0x2_c000), (0x80_0000, 1 << 40)] {
         assert_eq!(unmap_ok(&mut c, iova, size), 0, "{iova:#x}+{size:#x}");
     }
-    assert_eq!(ts.dma.stats().maps, 4);
+    assert_eq!(ts.dma().stats().maps, 4);
     assert!(ts.state().unmaps.is_empty());
 }
 
 #[test]
 fn test_sweep_pinned_pages_released_by_notifier_before_reply() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
     map_all(&mut c, &mem);
     let pinned = [0x1_1000, 0x4_0000, 0x4_f000, 0x10_0000, 0x40_0000];
     for iova in pinned {
         device_pin(&mut c, iova);
     }
-    assert_eq!(ts.dma.stats().pinned_pages, 5);
+    assert_eq!(ts.dma().stats().pinned_pages, 5);
     // The reply comes after the notifier ran: by the time the client sees it, every pin in
     // the swept maps is gone and none had to be forced.
     unmap_ok(&mut c, 0, 0x20_0000);
-    let st = ts.dma.stats();
+    let st = ts.dma().stats();
     assert_eq!(st.pinned_pages, 1, "{st:?}");
     assert_eq!(
         st.leaked_pins_released, 0,
@@ -247,13 +251,13 @@ fn test_sweep_pinned_pages_released_by_notifier_before_reply() {
     );
     assert_eq!(dev.pins, vec![0x400]);
     drop(dev);
-    ts.dma.check_invariants().unwrap();
+    ts.dma().check_invariants().unwrap();
 }
 
 #[test]
 fn test_sweep_frees_mapped_bytes_budget_by_bytes_removed() {
     let ts = TestServer::start_with(|c| c.max_dma_mapped_bytes = 1 << 30);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let half = 1u64 << 29;
     map_ok(&mut c, 0, half, None);
     map_ok(&mut c, 2 * half, half, None);
@@ -270,7 +274,7 @@ fn test_sweep_frees_mapped_bytes_budget_by_bytes_removed() {
 #[test]
 fn test_unmap_all_reply_size_is_bytes_removed_and_frees_budget() {
     let ts = TestServer::start_with(|c| c.max_dma_mapped_bytes = 1 << 30);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     map_ok(&mut c, 0, 1 << 29, None);
     map_ok(&mut c, 1 << 32, 1 << 29, None);
     let p = DmaUnmapRequest {
@@ -283,6 +287,6 @@ fn test_unmap_all_reply_size_is_bytes_removed_and_frees_budget() {
     let r = c.call(Command::DmaUnmap as u16, 0, &p, &[]);
     assert!(!r.header.is_error(), "errno {}", r.header.error);
     assert_eq!(reply_size(&r, DMA_UNMAP_FLAG_ALL, 0), 1 << 30);
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     map_ok(&mut c, 0, 1 << 30, None);
 }

@@ -3,17 +3,20 @@
 //! the test as the guest driver (`umdev_devices::gpu::driver`). The framebuffer is checked
 //! pixel for pixel through the client's mmap of BAR2.
 
-use std::io;
+#[path = "common/independent_client.rs"]
+mod independent;
+
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use independent::{find_capability, SocketRegs};
 use umdev::dma::{DmaConfig, DmaSpace, DmaStats, PinPolicy};
 use umdev::pci::PciAdapter;
-use umdev::server::{RunningServer, Server, ServerConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam, RegisterAccess};
+use umdev::testing::{wait_eventfd, wait_until, GuestMemory, TestServer};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::*;
-use umdev_devices::gpu::{Command, Gpu, GpuConfig, GpuHandle, BAR_FB, BAR_REGS};
+use umdev_devices::gpu::{Command, Gpu, GpuConfig, GpuHandle, BAR_FB};
 use vfio_bindings::bindings::vfio::{VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -29,57 +32,31 @@ const H: u32 = 480;
 const CONFIG_REGION: u32 = 7;
 const IRQ_MSIX: u32 = 2;
 
-/// BAR0 through the vfio-user client.
-struct ClientRegs(Client);
-
-impl RegisterAccess for ClientRegs {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(BAR_REGS as u32, off, &mut b)
-            .map_err(|e| io::Error::other(format!("{e:?}")))?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(BAR_REGS as u32, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::other(format!("{e:?}")))
-    }
-
-    fn write64(&mut self, off: u64, val: u64) -> io::Result<()> {
-        self.0
-            .region_write(BAR_REGS as u32, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::other(format!("{e:?}")))
-    }
-}
-
+/// Dropped in field order: the server stops first, with the client still connected.
 struct Setup {
-    server: Option<RunningServer>,
+    _server: TestServer<PciAdapter<Gpu>>,
     dma: Arc<DmaSpace>,
     gpu: GpuHandle,
-    drv: Driver<ClientRegs>,
-    ram: GuestMemfd,
-    _dir: tempfile::TempDir,
+    drv: Driver<SocketRegs>,
+    ram: GuestMemory,
 }
 
 impl Setup {
     fn start(policy: PinPolicy) -> Setup {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("gpu.sock");
-        let dma = DmaSpace::new(DmaConfig {
-            policy,
-            lock_limit_bytes: Some(2 << 20),
-            ..DmaConfig::default()
-        });
         let gpu = Gpu::new(GpuConfig::default()).unwrap();
         let handle = gpu.handle();
-        let adapter = PciAdapter::new(gpu).unwrap();
-        let server = Server::new(ServerConfig::new(&path), Box::new(adapter), dma.clone())
-            .spawn()
+        let server = TestServer::builder_pci(gpu)
+            .unwrap()
+            .dma_config(DmaConfig {
+                policy,
+                lock_limit_bytes: Some(2 << 20),
+                ..DmaConfig::default()
+            })
+            .start()
             .unwrap();
-        let mut client = Client::new(&path).expect("connect");
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
+        let dma = server.dma().clone();
+        let mut client = Client::new(server.path()).expect("connect");
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
         // Two DMA mappings of one memfd: the ring area and the surfaces.
         client
             .dma_map(0, RAM_BASE, SURF_GPA - RAM_BASE, ram.fd().as_raw_fd())
@@ -96,21 +73,24 @@ impl Setup {
         client
             .region_write(CONFIG_REGION, 4, &0x0006u16.to_le_bytes())
             .unwrap();
-        let mut drv = Driver::probe(ClientRegs(client)).unwrap();
+        let mut drv = Driver::probe(SocketRegs {
+            client,
+            whole_64: true,
+        })
+        .unwrap();
         drv.set_mode(W, H, W * 4).unwrap();
         drv.setup_ring(RAM_BASE, RING_SIZE).unwrap();
         Setup {
-            server: Some(server),
+            _server: server,
             dma,
             gpu: handle,
             drv,
             ram,
-            _dir: dir,
         }
     }
 
     fn client(&mut self) -> &mut Client {
-        &mut self.drv.regs().0
+        &mut self.drv.regs().client
     }
 
     fn config_read(&mut self, off: u64, len: usize) -> u32 {
@@ -123,10 +103,7 @@ impl Setup {
 
     /// Enable MSI-X in config space, unmask vector 0, attach an eventfd to it.
     fn msix_eventfd(&mut self) -> EventFd {
-        let mut cap = u64::from(self.config_read(0x34, 1) & 0xfc);
-        while cap != 0 && self.config_read(cap, 1) != 0x11 {
-            cap = u64::from(self.config_read(cap + 1, 1) & 0xfc);
-        }
+        let cap = find_capability(self.client(), 0x11).unwrap_or(0);
         assert_ne!(cap, 0, "MSI-X capability");
         let ctrl = self.config_read(cap + 2, 2) as u16;
         let ctrl = (ctrl | 0x8000) & !0x4000;
@@ -185,35 +162,8 @@ impl Setup {
     }
 }
 
-impl Drop for Setup {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            let _ = s.shutdown();
-        }
-    }
-}
-
 fn pattern(x: u32, y: u32) -> u32 {
     (x.wrapping_mul(2654435761) ^ y.wrapping_mul(40503)) & 0x00ff_ffff
-}
-
-fn wait_eventfd(efd: &EventFd, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if efd.read().is_ok() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    false
-}
-
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// Draw fills, overlapping copies and a blit from a scattered GTT surface; returns the
@@ -314,7 +264,10 @@ fn test_gpu_e2e_scene_matches_pixels_and_msix_fires() {
     let efd = s.msix_eventfd();
     s.drv.enable_irqs(IRQ_FENCE | IRQ_ERROR).unwrap();
     let model = draw_scene(&mut s);
-    assert!(wait_eventfd(&efd, Duration::from_secs(5)), "MSI-X eventfd");
+    assert!(
+        wait_eventfd(&efd, Duration::from_secs(5)).is_some(),
+        "MSI-X eventfd"
+    );
     assert_eq!(s.drv.read(REG_ERROR_COUNT).unwrap(), 0);
     let screen = s.screen_via_mmap();
     if let Some(i) = screen.iter().zip(&model).position(|(a, b)| a != b) {
@@ -359,7 +312,10 @@ fn test_gpu_e2e_bad_blit_reports_error_and_msix_fires() {
         )
         .unwrap();
     s.drv.wait_fence(2).unwrap();
-    assert!(wait_eventfd(&efd, Duration::from_secs(5)), "error IRQ");
+    assert!(
+        wait_eventfd(&efd, Duration::from_secs(5)).is_some(),
+        "error IRQ"
+    );
     assert_eq!(
         s.drv.error().unwrap(),
         (umdev_devices::gpu::error::ERR_GTT_FAULT, 0)
@@ -375,10 +331,13 @@ fn test_gpu_e2e_disconnect_releases_every_pin() {
     s.client().shutdown().unwrap();
     let dma = s.dma.clone();
     let gpu = s.gpu.clone();
-    wait_until("pins released after disconnect", || {
-        let st = dma.stats();
-        gpu.pins_held() == 0 && st.pinned_pages == 0 && st.locked_pages == 0
-    });
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            let st = dma.stats();
+            gpu.pins_held() == 0 && st.pinned_pages == 0 && st.locked_pages == 0
+        }),
+        "timed out waiting for pins released after disconnect"
+    );
     assert_eq!(dma.stats().leaked_pins_released, 0);
 }
 
@@ -423,7 +382,10 @@ fn test_gpu_e2e_fence_fires_intx_without_msi() {
         .submit(&mut s.ram, &[Command::Fence { value: 0x1f }])
         .unwrap();
     s.drv.wait_fence(0x1f).unwrap();
-    assert!(wait_eventfd(&efd, Duration::from_secs(5)), "INTx eventfd");
+    assert!(
+        wait_eventfd(&efd, Duration::from_secs(5)).is_some(),
+        "INTx eventfd"
+    );
     assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), IRQ_FENCE);
     s.drv.ack(IRQ_FENCE).unwrap();
     assert_eq!(s.drv.read(REG_IRQ_STATUS).unwrap(), 0);

@@ -5,21 +5,14 @@
 //! interrupt eventfd (not even when the guest enables interrupts again), no framebuffer
 //! write, no DMA_READ on the wire. Each race is repeated a few hundred times.
 
-mod common;
-#[path = "hostile_guest_rig/raw_vmm.rs"]
-mod raw_vmm;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
-
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use raw_vmm::RawVmm;
-use rig::Served;
 use umdev::device::{irq_index, region_index};
-use umdev::dma::DmaConfig;
+use umdev::pci::PciAdapter;
 use umdev::protocol::Command as Wire;
+use umdev::testing::{memfd, DeviceAccess, FdlessMemory, RawClient, TestServer, Vmm, DEFAULT_CAPS};
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig, GpuHandle};
 
@@ -31,22 +24,18 @@ const H: u32 = 64;
 const ROUNDS: u32 = 250;
 
 /// A GPU served on a fresh socket, the raw VMM connected with `caps`, and an observer.
-fn start(caps: &str) -> (Served<Gpu>, RawVmm, GpuHandle) {
+fn start(caps: &str) -> (TestServer<PciAdapter<Gpu>>, Vmm, GpuHandle) {
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
     let handle = gpu.handle();
-    let served = Served::start(
-        gpu,
-        DmaConfig::default(),
-        tempfile::tempdir().unwrap(),
-        |_| {},
-    );
-    let (c, _) = common::RawClient::negotiated(&served.path, caps);
-    (served, RawVmm::new(c, RING_GPA, 0), handle)
+    let served = TestServer::builder_pci(gpu).unwrap().start().unwrap();
+    let (c, _) = RawClient::negotiated(served.path(), caps);
+    (served, Vmm::from_client(c), handle)
 }
 
 /// What the guest driver does after a reset: bus master, mode, ring, interrupt causes.
-fn init(vmm: &mut RawVmm, ring_size: u32, irq_enable: u32) {
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+fn init(vmm: &mut Vmm, ring_size: u32, irq_enable: u32) {
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     for (off, v) in [
         (REG_MODE_WIDTH, W),
         (REG_MODE_HEIGHT, H),
@@ -59,9 +48,9 @@ fn init(vmm: &mut RawVmm, ring_size: u32, irq_enable: u32) {
         (REG_RING_CTRL, 1),
         (REG_IRQ_ENABLE, irq_enable),
     ] {
-        vmm.write32(BAR, off, v);
+        vmm.write32(BAR, off, v).unwrap();
     }
-    assert_eq!(vmm.read32(BAR, REG_RING_CTRL), 1, "ring rejected");
+    assert_eq!(vmm.read32(BAR, REG_RING_CTRL).unwrap(), 1, "ring rejected");
 }
 
 /// A ring's worth of work: FENCEs with values that are never 0, a full-screen fill in a
@@ -116,8 +105,8 @@ fn screen(gpu: &GpuHandle) -> Vec<u8> {
     px
 }
 
-fn reset(vmm: &mut RawVmm) {
-    let m = vmm.call(Wire::DeviceReset, &[], &[]);
+fn reset(vmm: &mut Vmm) {
+    let m = vmm.call(Wire::DeviceReset, &[], &[]).unwrap();
     assert!(
         !m.header.is_error(),
         "DEVICE_RESET errno {}",
@@ -126,7 +115,7 @@ fn reset(vmm: &mut RawVmm) {
 }
 
 /// Registers that a command queued before the reset would change, all at reset value.
-fn assert_reset_values(vmm: &mut RawVmm, round: u32, when: &str) {
+fn assert_reset_values(vmm: &mut Vmm, round: u32, when: &str) {
     for (reg, name) in [
         (REG_FENCE_VALUE, "FENCE_VALUE"),
         (REG_IRQ_STATUS, "IRQ_STATUS"),
@@ -134,7 +123,7 @@ fn assert_reset_values(vmm: &mut RawVmm, round: u32, when: &str) {
         (REG_ERROR_COUNT, "ERROR_COUNT"),
         (REG_RING_HEAD, "RING_HEAD"),
     ] {
-        let v = vmm.read32(BAR, reg);
+        let v = vmm.read32(BAR, reg).unwrap();
         assert_eq!(
             v, 0,
             "round {round}, {when}: {name} = {v:#x} after the reset reply"
@@ -145,13 +134,13 @@ fn assert_reset_values(vmm: &mut RawVmm, round: u32, when: &str) {
 /// Publish `len` bytes of commands (already in the ring), wait until the worker works on
 /// them (RING_HEAD moved, or it sent a DMA_READ), and reset. True if the worker was seen
 /// in the middle of the ring just before the reset was sent.
-fn publish_and_reset(vmm: &mut RawVmm, len: usize) -> bool {
-    let before = vmm.requests;
-    vmm.write32(BAR, REG_RING_TAIL, len as u32);
+fn publish_and_reset(vmm: &mut Vmm, len: usize) -> bool {
+    let before = vmm.requests();
+    vmm.write32(BAR, REG_RING_TAIL, len as u32).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     let mid_ring = loop {
-        let head = vmm.read32(BAR, REG_RING_HEAD) as usize;
-        if head != 0 || vmm.requests > before {
+        let head = vmm.read32(BAR, REG_RING_HEAD).unwrap() as usize;
+        if head != 0 || vmm.requests() > before {
             break head < len;
         }
         assert!(Instant::now() < deadline, "the worker never started");
@@ -169,26 +158,26 @@ fn assert_raced(mid_ring: u32) {
 }
 
 /// The long ring in a memfd mapped at RING_GPA; returns the memfd and the published length.
-fn fd_ring(vmm: &mut RawVmm, ring_size: u32, fill_every: u32) -> (std::fs::File, usize) {
-    let ring = rig::memfd(u64::from(ring_size));
+fn fd_ring(vmm: &mut Vmm, ring_size: u32, fill_every: u32) -> (std::fs::File, usize) {
+    let ring = memfd(u64::from(ring_size)).unwrap();
     let bytes = long_ring(ring_size, fill_every);
     ring.write_all_at(&bytes, 0).unwrap();
-    let errno = vmm.map(RING_GPA, u64::from(ring_size), Some(ring.as_raw_fd()));
-    assert_eq!(errno, 0, "DMA_MAP");
+    vmm.dma_map_fd(RING_GPA, u64::from(ring_size), ring.as_fd(), 0)
+        .expect("DMA_MAP");
     (ring, bytes.len())
 }
 
 #[test]
 fn test_gpu_reset_during_long_ring_no_register_or_framebuffer_change_after_reply() {
     let ring_size = 64 * 1024;
-    let (served, mut vmm, gpu) = start(common::raw_client::DEFAULT_CAPS);
+    let (served, mut vmm, gpu) = start(DEFAULT_CAPS);
     let (_ring, len) = fd_ring(&mut vmm, ring_size, 64);
     // The ring run to its end once: its last fill is what a reset that let the whole ring
     // run would leave on the screen.
     init(&mut vmm, ring_size, 0);
-    vmm.write32(BAR, REG_RING_TAIL, len as u32);
+    vmm.write32(BAR, REG_RING_TAIL, len as u32).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while vmm.read32(BAR, REG_RING_HEAD) as usize != len {
+    while vmm.read32(BAR, REG_RING_HEAD).unwrap() as usize != len {
         assert!(Instant::now() < deadline, "the ring never drained");
     }
     let end_of_ring = screen(&gpu);
@@ -219,10 +208,10 @@ fn test_gpu_reset_during_long_ring_no_register_or_framebuffer_change_after_reply
 #[test]
 fn test_gpu_reset_during_long_ring_no_interrupt_after_reply() {
     let ring_size = 64 * 1024;
-    let (_served, mut vmm, _gpu) = start(common::raw_client::DEFAULT_CAPS);
+    let (_served, mut vmm, _gpu) = start(DEFAULT_CAPS);
     let (_ring, len) = fd_ring(&mut vmm, ring_size, 0);
     // After a reset MSI and MSI-X are off: the device interrupts through INTx.
-    let intx = vmm.attach_eventfd(irq_index::INTX);
+    let intx = vmm.attach_eventfd(irq_index::INTX).unwrap();
     let mut fired_before = 0;
     let mut mid_ring = 0;
     for round in 1..=ROUNDS {
@@ -237,15 +226,15 @@ fn test_gpu_reset_during_long_ring_no_interrupt_after_reply() {
         }
         // The guest enables every cause: a cause left pending by old work would interrupt
         // now.
-        vmm.write32(BAR, REG_IRQ_ENABLE, IRQ_ALL);
+        vmm.write32(BAR, REG_IRQ_ENABLE, IRQ_ALL).unwrap();
         std::thread::sleep(Duration::from_micros(300));
-        let status = vmm.read32(BAR, REG_IRQ_STATUS);
+        let status = vmm.read32(BAR, REG_IRQ_STATUS).unwrap();
         assert!(
             intx.read().is_err(),
             "round {round}: INTx fired after the reset reply (IRQ_STATUS {status:#x})"
         );
         assert_eq!(status, 0, "round {round}: IRQ_STATUS after the reset reply");
-        vmm.write32(BAR, REG_IRQ_ENABLE, 0);
+        vmm.write32(BAR, REG_IRQ_ENABLE, 0).unwrap();
     }
     assert_raced(mid_ring);
     // The eventfd was live: the commands before the resets did interrupt.
@@ -260,21 +249,25 @@ fn test_gpu_reset_fdless_ring_no_dma_read_after_reply() {
     let ring_size = 16 * 1024;
     let (_served, mut vmm, gpu) = start(SMALL_XFER_CAPS);
     let bytes = long_ring(ring_size, 4);
-    vmm.mem = vec![0; ring_size as usize];
-    vmm.mem[..bytes.len()].copy_from_slice(&bytes);
-    assert_eq!(vmm.map(RING_GPA, u64::from(ring_size), None), 0);
+    vmm.set_fdless(FdlessMemory::new(RING_GPA, ring_size as usize));
+    vmm.mem_mut()[..bytes.len()].copy_from_slice(&bytes);
+    vmm.dma_map_fdless(RING_GPA, u64::from(ring_size)).unwrap();
     let mut mid_ring = 0;
     for round in 1..=ROUNDS {
         init(&mut vmm, ring_size, 0);
         mid_ring += u32::from(publish_and_reset(&mut vmm, bytes.len()));
-        let at_reply = vmm.requests;
+        let at_reply = vmm.requests();
         let screen_at_reply = screen(&gpu);
         assert_reset_values(&mut vmm, round, "at once");
         std::thread::sleep(Duration::from_micros(500));
         // This call serves (and counts) whatever DMA_READ arrived meanwhile.
-        assert_eq!(vmm.read32(BAR, REG_STATUS), 0, "round {round}: STATUS");
         assert_eq!(
-            vmm.requests - at_reply,
+            vmm.read32(BAR, REG_STATUS).unwrap(),
+            0,
+            "round {round}: STATUS"
+        );
+        assert_eq!(
+            vmm.requests() - at_reply,
             0,
             "round {round}: DMA_READs after the reset reply"
         );

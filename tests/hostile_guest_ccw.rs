@@ -5,20 +5,20 @@
 //! every program with its documented fault (protocol-docs/devices/ccw.md), the server keeps
 //! serving (a following good program works) and no pin survives a program.
 
-mod common;
-#[path = "hostile_guest_rig/raw_vmm.rs"]
-mod raw_vmm;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use raw_vmm::{Answer, RawVmm};
-use rig::{client_map, enable_device, wait_until, Rng, Served};
+use independent::{client_map, enable_device};
 use umdev::device::region_index;
-use umdev::dma::{DmaConfig, PinPolicy, Prot};
+use umdev::dma::{DmaConfig, DmaMapping, PinPolicy, Prot};
+use umdev::pci::PciAdapter;
+use umdev::testing::{
+    memfd, wait_until, Answer, DeviceAccess, FdlessMemory, RawClient, Rng, TestServer, Vmm,
+};
 use umdev_devices::ccw::driver::{
     self, cmd, flags, regs, CcwWord, Fault, OperationBlock, StatusBlock,
 };
@@ -46,7 +46,7 @@ const DATA: u64 = RAM + 0x4_0000;
 const CAPACITY_BLOCKS: u64 = 4096;
 
 struct CcwVm {
-    served: Served<Ccw>,
+    served: TestServer<PciAdapter<Ccw>>,
     client: vfio_user::Client,
     ram: File,
     rom: File,
@@ -63,19 +63,27 @@ impl CcwVm {
             lock_limit_bytes: lock_limit,
             ..DmaConfig::default()
         };
-        let served = Served::start(ccw, dma, dir, |_| {});
-        let mut client = served.connect();
+        let served = TestServer::builder_pci(ccw)
+            .unwrap()
+            .dma_config(dma)
+            .in_dir(dir)
+            .start()
+            .unwrap();
+        let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let ram = rig::memfd(RAM_SIZE);
-        let rom = rig::memfd(ROM_SIZE);
-        client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
-        served.map_direct(
-            rom.try_clone().unwrap().into(),
-            ROM,
-            ROM_SIZE,
-            0,
-            Prot::READ,
-        );
+        let ram = memfd(RAM_SIZE).unwrap();
+        let rom = memfd(ROM_SIZE).unwrap();
+        client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
+        served
+            .dma()
+            .map(DmaMapping {
+                iova: ROM,
+                size: ROM_SIZE,
+                prot: Prot::READ,
+                fd: Some(rom.try_clone().unwrap().into()),
+                offset: 0,
+            })
+            .unwrap();
         CcwVm {
             served,
             client,
@@ -492,13 +500,13 @@ fn test_ccw_socket_lock_limit_pin_failed_nothing_pinned_then_smaller_program_wor
 
 /// A random CCW aimed at the interesting cases.
 fn hostile_ccw(rng: &mut Rng, base: u64) -> CcwWord {
-    let r = rng.next();
+    let r = rng.next_u64();
     let addr = match rng.below(8) {
         0 => HOLE + rng.below(0x1000),
         1 => ROM + rng.below(ROM_SIZE),
         2 => LAST_PAGE + rng.below(0x1000),
         3 => base + rng.below(16) * 16,
-        4 => rng.next(),
+        4 => rng.next_u64(),
         _ => DATA + rng.below(0x8000),
     };
     let code = rng.pick(&[cmd::READ, cmd::WRITE, cmd::NOP, cmd::SENSE, cmd::TIC, 0x55]);
@@ -528,7 +536,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
     for k in 0..(GARBAGE_SIZE / 0x400) {
         let opb = GARBAGE + k * 0x400;
         let prog = opb + 0x40;
-        let r = rng.next();
+        let r = rng.next_u64();
         let n = 1 + rng.below(12) as usize;
         let mut words: Vec<CcwWord> = if rng.chance(50) {
             // A plausible program with at most one hostile CCW in it.
@@ -570,7 +578,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
     }
     let idaws: Vec<u64> = (0..40)
         .map(|_| {
-            let r = rng.next();
+            let r = rng.next_u64();
             rng.pick(&[DATA, DATA + 0x3000, HOLE, ROM, LAST_PAGE, r])
         })
         .collect();
@@ -606,7 +614,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
             0..=3 => GARBAGE + rng.below(GARBAGE_SIZE / 0x400) * 0x400,
             4..=5 => 1,
             6 => rng.pick(&[HOLE, ROM, RAM + RAM_SIZE - 8, 0xffff_ffff_ffff_fff8]),
-            _ => rng.next(),
+            _ => rng.next_u64(),
         };
         let size = rng
             .pick(&[1usize, 2, 4, 4, 4, 8])
@@ -620,7 +628,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
     }
     vm.wait_not_busy();
     let completed = vm.reg(regs::COMPLETED);
-    let syscalls = vm.served.dma.stats().residency_syscalls;
+    let syscalls = vm.served.dma().stats().residency_syscalls;
     eprintln!("seed {seed}: {completed} programs completed, {syscalls} mlock/munlock calls");
     assert!(completed > 0, "seed {seed}: no program ran");
     vm.assert_no_pins();
@@ -642,19 +650,23 @@ const FDLESS_SIZE: u64 = 0x1000;
 
 #[test]
 fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let dir = tempfile::tempdir().unwrap();
     let ccw = Ccw::new(CcwConfig::new(dir.path().join("ccw.img")).with_capacity(CAPACITY_BLOCKS))
         .unwrap();
-    let served = Served::start(ccw, DmaConfig::default(), dir, |c| {
-        c.remote_dma_timeout = Duration::from_millis(300)
-    });
-    let c = common::RawClient::new_default(&served.path);
-    let mut vmm = RawVmm::new(c, FDLESS, FDLESS_SIZE as usize);
-    let ram = rig::memfd(RAM_SIZE);
-    assert_eq!(vmm.map(RAM, RAM_SIZE, Some(ram.as_raw_fd())), 0);
-    assert_eq!(vmm.map(FDLESS, FDLESS_SIZE, None), 0);
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    let served = TestServer::builder_pci(ccw)
+        .unwrap()
+        .in_dir(dir)
+        .configure(|c| c.remote_dma_timeout = Duration::from_millis(300))
+        .start()
+        .unwrap();
+    let c = RawClient::new_default(served.path());
+    let mut vmm = Vmm::from_client(c).with_fdless(FdlessMemory::new(FDLESS, FDLESS_SIZE as usize));
+    let ram = memfd(RAM_SIZE).unwrap();
+    vmm.dma_map_fd(RAM, RAM_SIZE, ram.as_fd(), 0).unwrap();
+    vmm.dma_map_fdless(FDLESS, FDLESS_SIZE).unwrap();
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     // The operation block and the program live in fd-less memory, served by the VMM.
     let opb = OperationBlock {
         program: FDLESS + 0x100,
@@ -663,26 +675,26 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
         flags: 0,
         reserved: 0,
     };
-    vmm.mem[..32].copy_from_slice(&opb.to_bytes());
+    vmm.mem_mut()[..32].copy_from_slice(&opb.to_bytes());
     let prog = driver::encode_program(&[CcwWord::write(512, DATA)]);
-    vmm.mem[0x100..0x100 + prog.len()].copy_from_slice(&prog);
-    let run = |vmm: &mut RawVmm| -> (u32, u32) {
+    vmm.mem_mut()[0x100..0x100 + prog.len()].copy_from_slice(&prog);
+    let run = |vmm: &mut Vmm| -> (u32, u32) {
         let bar = region_index::BAR0;
-        let done = vmm.read32(bar, regs::COMPLETED);
-        vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32);
-        vmm.write32(bar, regs::OPB_ADDR_HI, 0);
-        vmm.write32(bar, regs::START, 1);
+        let done = vmm.read32(bar, regs::COMPLETED).unwrap();
+        vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32).unwrap();
+        vmm.write32(bar, regs::OPB_ADDR_HI, 0).unwrap();
+        vmm.write32(bar, regs::START, 1).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while vmm.read32(bar, regs::COMPLETED) == done {
+        while vmm.read32(bar, regs::COMPLETED).unwrap() == done {
             assert!(
                 std::time::Instant::now() < deadline,
                 "program never completed"
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        let irq = vmm.read32(bar, regs::IRQ_STATUS);
-        vmm.write32(bar, regs::IRQ_STATUS, irq);
-        (irq, vmm.read32(bar, regs::LAST_STATUS))
+        let irq = vmm.read32(bar, regs::IRQ_STATUS).unwrap();
+        vmm.write32(bar, regs::IRQ_STATUS, irq).unwrap();
+        (irq, vmm.read32(bar, regs::LAST_STATUS).unwrap())
     };
     for answer in [
         Answer::Honest,
@@ -690,11 +702,11 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
         Answer::Silent,
         Answer::Honest,
     ] {
-        vmm.answer = answer;
-        let before = vmm.requests;
+        vmm.set_answer(answer);
+        let before = vmm.requests();
         let (irq, last) = run(&mut vmm);
         assert!(
-            vmm.requests > before,
+            vmm.requests() > before,
             "{answer:?}: the device never asked the VMM"
         );
         let fault = driver::decode_last_status(last).2;
@@ -713,38 +725,44 @@ fn test_ccw_socket_opb_in_fdless_memory_honest_lying_and_silent_vmm() {
     }
     // Reset while the worker waits for a DMA_READ the VMM never answers: bounded by the
     // remote DMA timeout; no status, no pins, and the next program works.
-    vmm.answer = Answer::Silent;
+    vmm.set_answer(Answer::Silent);
     let bar = region_index::BAR0;
-    vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32);
-    let before = vmm.requests;
-    vmm.write32(bar, regs::START, 1);
+    vmm.write32(bar, regs::OPB_ADDR_LO, FDLESS as u32).unwrap();
+    let before = vmm.requests();
+    vmm.write32(bar, regs::START, 1).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while vmm.requests == before {
+    while vmm.requests() == before {
         assert!(
             std::time::Instant::now() < deadline,
             "no DMA_READ for the OPB"
         );
-        vmm.read32(bar, regs::STATUS);
+        vmm.read32(bar, regs::STATUS).unwrap();
     }
     let started = std::time::Instant::now();
-    let m = vmm.call(umdev::protocol::Command::DeviceReset, &[], &[]);
+    let m = vmm
+        .call(umdev::protocol::Command::DeviceReset, &[], &[])
+        .unwrap();
     assert!(!m.header.is_error(), "reset errno {}", m.header.error);
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "reset took {:?}",
         started.elapsed()
     );
-    assert_eq!(vmm.read32(bar, regs::STATUS) & regs::STATUS_BUSY, 0);
+    assert_eq!(
+        vmm.read32(bar, regs::STATUS).unwrap() & regs::STATUS_BUSY,
+        0
+    );
     assert_eq!(served.device().device().pins_held(), 0);
-    vmm.answer = Answer::Honest;
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    vmm.set_answer(Answer::Honest);
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     let (irq, last) = run(&mut vmm);
     assert_eq!(irq, regs::IRQ_DONE);
     assert_eq!(driver::decode_last_status(last).2, Some(Fault::None));
 
     // Data pages in fd-less memory cannot be pinned: the program ends with a data fault.
     let prog = driver::encode_program(&[CcwWord::read(512, FDLESS + 0x800)]);
-    vmm.mem[0x100..0x100 + prog.len()].copy_from_slice(&prog);
+    vmm.mem_mut()[0x100..0x100 + prog.len()].copy_from_slice(&prog);
     let (_, last) = run(&mut vmm);
     assert_eq!(
         driver::decode_last_status(last).2,
@@ -767,7 +785,7 @@ fn test_ccw_socket_random_config_space_writes_keep_serving() {
             rng.below(256)
         };
         let size = rng.pick(&[1usize, 2, 4]).min((256 - off) as usize);
-        let v = rng.next().to_le_bytes();
+        let v = rng.next_u64().to_le_bytes();
         let _ = vm
             .client
             .region_write(region_index::CONFIG, off, &v[..size]);

@@ -4,20 +4,21 @@
 //! device answers with its documented error code (protocol-docs/devices/gpu.md), the server
 //! keeps serving (a following good operation works) and every pin is returned.
 
-mod common;
-#[path = "hostile_guest_rig/raw_vmm.rs"]
-mod raw_vmm;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
-use std::io;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use rig::{client_map, enable_device, Rng, Served};
+use independent::{client_map, enable_device, SocketRegs};
 use umdev::device::region_index;
-use umdev::dma::{DmaConfig, PinPolicy, Prot};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam, RegisterAccess};
+use umdev::dma::{DmaConfig, DmaMapping, PinPolicy, Prot};
+use umdev::pci::PciAdapter;
+use umdev::testing::{
+    memfd, wait_until, Answer, DeviceAccess, FdlessMemory, GuestMemory, RawClient, Rng, TestServer,
+    Vmm,
+};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
@@ -43,33 +44,10 @@ const H: u32 = 64;
 /// GTT entry the health check uses.
 const HEALTH_GTT: u32 = 1000;
 
-/// BAR0 through the vfio-user socket.
-struct SocketRegs(vfio_user::Client);
-
-fn io_err(e: vfio_user::Error) -> io::Error {
-    io::Error::other(e.to_string())
-}
-
-impl RegisterAccess for SocketRegs {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(region_index::BAR0, off, &mut b)
-            .map_err(io_err)?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(io_err)
-    }
-}
-
 struct GpuVm {
-    served: Served<Gpu>,
+    served: TestServer<PciAdapter<Gpu>>,
     drv: Driver<SocketRegs>,
-    ram: GuestMemfd,
+    ram: GuestMemory,
     fence: u32,
 }
 
@@ -85,28 +63,35 @@ impl GpuVm {
             ..DmaConfig::default()
         };
         let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
-        let served = Served::start(gpu, dma, tempfile::tempdir().unwrap(), |_| {});
-        let mut client = served.connect();
+        let served = TestServer::builder_pci(gpu)
+            .unwrap()
+            .dma_config(dma)
+            .start()
+            .unwrap();
+        let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
         let fd = ram.fd();
-        client_map(&mut client, &served.dma, &fd, 0, RING_GPA, RING_MAP_SIZE);
+        client_map(&mut client, served.dma(), &fd, 0, RING_GPA, RING_MAP_SIZE);
         client_map(
             &mut client,
-            &served.dma,
+            served.dma(),
             &fd,
             SURF_GPA - RAM_BASE,
             SURF_GPA,
             SURF_SIZE,
         );
-        served.map_direct(
-            ram.try_clone_fd().unwrap(),
-            RO_GPA,
-            RO_SIZE,
-            RO_GPA - RAM_BASE,
-            Prot::READ,
-        );
-        let mut drv = Driver::probe(SocketRegs(client)).unwrap();
+        served
+            .dma()
+            .map(DmaMapping {
+                iova: RO_GPA,
+                size: RO_SIZE,
+                prot: Prot::READ,
+                fd: Some(ram.try_clone_fd().unwrap()),
+                offset: RO_GPA - RAM_BASE,
+            })
+            .unwrap();
+        let mut drv = Driver::probe(SocketRegs::new(client)).unwrap();
         drv.set_mode(W, H, W * 4).unwrap();
         drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
         GpuVm {
@@ -118,7 +103,7 @@ impl GpuVm {
     }
 
     fn client(&mut self) -> &mut vfio_user::Client {
-        &mut self.drv.regs().0
+        &mut self.drv.regs().client
     }
 
     fn reg(&mut self, off: u64) -> u32 {
@@ -245,7 +230,7 @@ fn hostile_address(rng: &mut Rng) -> u64 {
         2 => RO_GPA + page,
         3 => UNMAPPED_GPA + page,
         4 => LAST_PAGE - page,
-        _ => rng.next() & !0xfff,
+        _ => rng.next_u64() & !0xfff,
     }
 }
 
@@ -273,7 +258,7 @@ fn hostile_command(rng: &mut Rng) -> Command {
             y: small(rng),
             w: small(rng),
             h: small(rng),
-            color: rng.next() as u32,
+            color: rng.next_u64() as u32,
         },
         3 => Command::CopyRect {
             src_x: small(rng),
@@ -284,7 +269,7 @@ fn hostile_command(rng: &mut Rng) -> Command {
             h: small(rng),
         },
         4 => Command::Fence {
-            value: rng.next() as u32,
+            value: rng.next_u64() as u32,
         },
         _ => Command::Nop,
     }
@@ -343,7 +328,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
         let value = match rng.below(10) {
             0..=2 => hostile_address(&mut rng) | GTT_VALID | rng.below(2) << 1,
             3..=4 => rng.below(0x2_0000),
-            _ => rng.next(),
+            _ => rng.next_u64(),
         };
         vm.client()
             .region_write(region_index::BAR0, off, &value.to_le_bytes()[..size])
@@ -362,7 +347,7 @@ fn random_register_storm(seed: u64, steps: usize) -> u64 {
         "seed {seed}: worker did not go idle"
     );
     let errors = vm.reg(REG_ERROR_COUNT);
-    let syscalls = vm.served.dma.stats().residency_syscalls;
+    let syscalls = vm.served.dma().stats().residency_syscalls;
     eprintln!("seed {seed}: {errors} device errors, {syscalls} mlock/munlock calls");
     assert!(errors > 0, "seed {seed}: no error provoked");
     vm.drv.ack(IRQ_ALL).unwrap();
@@ -385,9 +370,7 @@ fn test_gpu_socket_ring_at_unmapped_address_ring_fault_then_recovers() {
     let mut vm = GpuVm::new(PinPolicy::Translate);
     vm.drv.setup_ring(UNMAPPED_GPA, RING_SIZE).unwrap();
     vm.drv.write(REG_RING_TAIL, 16).unwrap();
-    assert!(rig::wait_until(Duration::from_secs(5), || vm
-        .reg(REG_RING_HEAD)
-        == 16));
+    assert!(wait_until(Duration::from_secs(5), || vm.reg(REG_RING_HEAD) == 16));
     assert_eq!(vm.take_error(), (ERR_RING_FAULT, 0));
     vm.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
     vm.assert_serving();
@@ -400,12 +383,18 @@ fn test_gpu_socket_ring_straddling_mapping_end_ring_fault() {
     // The last 4 KiB of the ring are unmapped: the whole-ring read of a wrapped batch fails.
     let base = UNMAPPED_GPA - 0x1000;
     vm.served
-        .map_direct(vm.ram.try_clone_fd().unwrap(), base, 0x1000, 0, Prot::RW);
+        .dma()
+        .map(DmaMapping {
+            iova: base,
+            size: 0x1000,
+            prot: Prot::RW,
+            fd: Some(vm.ram.try_clone_fd().unwrap()),
+            offset: 0,
+        })
+        .unwrap();
     vm.drv.setup_ring(base, 0x2000).unwrap();
     vm.drv.write(REG_RING_TAIL, 0x1800).unwrap();
-    assert!(rig::wait_until(Duration::from_secs(5), || vm
-        .reg(REG_RING_HEAD)
-        == 0x1800));
+    assert!(wait_until(Duration::from_secs(5), || vm.reg(REG_RING_HEAD) == 0x1800));
     assert_eq!(vm.take_error(), (ERR_RING_FAULT, 0));
     vm.drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
     vm.assert_serving();
@@ -467,7 +456,7 @@ fn test_gpu_socket_surface_straddling_unmapped_page_gtt_fault_pins_nothing() {
     vm.run(&[blit(0, 4, 4)]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
     assert_eq!(vm.pins_held(), 4);
-    assert_eq!(vm.served.dma.stats().locked_pages, 4);
+    assert_eq!(vm.served.dma().stats().locked_pages, 4);
     vm.assert_serving();
     vm.assert_pins_return_to_zero(4);
 }
@@ -550,12 +539,12 @@ fn test_gpu_socket_aliased_gtt_entries_pin_one_page_many_times() {
     ]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
     assert_eq!(vm.pins_held(), 8);
-    let s = vm.served.dma.stats();
+    let s = vm.served.dma().stats();
     assert_eq!((s.pinned_pages, s.locked_pages), (1, 1), "{s:?}");
-    vm.served.dma.check_invariants().unwrap();
+    vm.served.dma().check_invariants().unwrap();
     // Dropping seven of the eight entries keeps the page pinned.
     vm.drv.clear_gtt(1, 7).unwrap();
-    assert_eq!(vm.served.dma.stats().pinned_pages, 1);
+    assert_eq!(vm.served.dma().stats().pinned_pages, 1);
     vm.assert_serving();
     vm.assert_pins_return_to_zero(8);
 }
@@ -599,9 +588,7 @@ fn test_gpu_socket_ring_ending_at_top_of_address_space_faults_cleanly() {
     if vm.reg(REG_RING_CTRL) == 1 {
         // Accepted (base + size == 2^64 does not wrap): the ring is simply unmapped.
         vm.drv.write(REG_RING_TAIL, 0xfff0).unwrap();
-        assert!(rig::wait_until(Duration::from_secs(5), || vm
-            .reg(REG_RING_HEAD)
-            == 0xfff0));
+        assert!(wait_until(Duration::from_secs(5), || vm.reg(REG_RING_HEAD) == 0xfff0));
         assert_eq!(vm.take_error(), (ERR_RING_FAULT, 0));
     } else {
         assert_eq!(vm.take_error(), (ERR_RING_CONFIG, REG_RING_CTRL as u32));
@@ -622,8 +609,8 @@ fn test_gpu_socket_own_framebuffer_mapped_as_guest_memory_readback_and_blit() {
         let fo = bar2.file_offset.as_ref().expect("BAR2 has an fd");
         (fo.file().try_clone().unwrap(), fo.start(), bar2.size)
     };
-    let dma = vm.served.dma.clone();
-    rig::client_map(vm.client(), &dma, &fd, start, FB_GPA, size);
+    let dma = vm.served.dma().clone();
+    client_map(vm.client(), &dma, &fd, start, FB_GPA, size);
     for i in 0..16 {
         vm.drv
             .set_gtt(i, FB_GPA + u64::from(i) * 4096, true)
@@ -671,21 +658,22 @@ fn test_gpu_socket_own_framebuffer_mapped_as_guest_memory_readback_and_blit() {
 
 /// Publish `cmds` at ring offset `tail` of a ring in the raw VMM's fd-less memory; returns
 /// the new tail after waiting until the device consumed them.
-fn fdless_submit(vmm: &mut raw_vmm::RawVmm, tail: u32, cmds: &[Command]) -> u32 {
+fn fdless_submit(vmm: &mut Vmm, tail: u32, cmds: &[Command]) -> u32 {
     let bytes = Command::encode_bytes(cmds);
     let t = tail as usize;
-    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
+    vmm.mem_mut()[t..t + bytes.len()].copy_from_slice(&bytes);
     let new_tail = tail + bytes.len() as u32;
-    vmm.write32(region_index::BAR0, REG_RING_TAIL, new_tail);
+    vmm.write32(region_index::BAR0, REG_RING_TAIL, new_tail)
+        .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while vmm.read32(region_index::BAR0, REG_RING_HEAD) != new_tail {
+    while vmm.read32(region_index::BAR0, REG_RING_HEAD).unwrap() != new_tail {
         assert!(std::time::Instant::now() < deadline, "ring head stuck");
         std::thread::sleep(Duration::from_millis(1));
     }
     new_tail
 }
 
-fn fdless_setup(vmm: &mut raw_vmm::RawVmm) {
+fn fdless_setup(vmm: &mut Vmm) {
     let bar = region_index::BAR0;
     for (off, v) in [
         (REG_MODE_CTRL, 0),
@@ -700,28 +688,29 @@ fn fdless_setup(vmm: &mut raw_vmm::RawVmm) {
         (REG_RING_SIZE, RING_SIZE),
         (REG_RING_CTRL, 1),
     ] {
-        vmm.write32(bar, off, v);
+        vmm.write32(bar, off, v).unwrap();
     }
-    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 1);
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL).unwrap(), 1);
 }
 
 const FDLESS_RING: u64 = 0x5000_0000;
 
 #[test]
 fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while_waiting() {
-    use raw_vmm::Answer;
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
     let timeout = Duration::from_millis(300);
-    let served = Served::start(
-        gpu,
-        DmaConfig::default(),
-        tempfile::tempdir().unwrap(),
-        |c| c.remote_dma_timeout = timeout,
-    );
-    let c = common::RawClient::new_default(&served.path);
-    let mut vmm = raw_vmm::RawVmm::new(c, FDLESS_RING, RING_SIZE as usize);
-    assert_eq!(vmm.map(FDLESS_RING, u64::from(RING_SIZE), None), 0);
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    let served = TestServer::builder_pci(gpu)
+        .unwrap()
+        .configure(|c| c.remote_dma_timeout = timeout)
+        .start()
+        .unwrap();
+    let c = RawClient::new_default(served.path());
+    let mut vmm =
+        Vmm::from_client(c).with_fdless(FdlessMemory::new(FDLESS_RING, RING_SIZE as usize));
+    vmm.dma_map_fdless(FDLESS_RING, u64::from(RING_SIZE))
+        .unwrap();
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     fdless_setup(&mut vmm);
     let bar = region_index::BAR0;
     let mut tail = 0;
@@ -734,9 +723,9 @@ fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while
     .into_iter()
     .enumerate()
     {
-        vmm.answer = answer;
+        vmm.set_answer(answer);
         let color = 0x0030_0000 + round as u32;
-        let before = vmm.requests;
+        let before = vmm.requests();
         let fill = Command::FillRect {
             x: 0,
             y: 0,
@@ -745,11 +734,11 @@ fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while
             color,
         };
         tail = fdless_submit(&mut vmm, tail, &[fill, Command::Fence { value: color }]);
-        assert!(vmm.requests > before, "{answer:?}: no DMA_READ");
+        assert!(vmm.requests() > before, "{answer:?}: no DMA_READ");
         let got = served.device().device().pixel(0, 0);
         if answer == Answer::Honest {
             assert_eq!(got, Some(color), "{answer:?}");
-            assert_eq!(vmm.read32(bar, REG_FENCE_VALUE), color);
+            assert_eq!(vmm.read32(bar, REG_FENCE_VALUE).unwrap(), color);
         } else {
             assert_ne!(
                 got,
@@ -757,31 +746,34 @@ fn test_gpu_socket_ring_in_fdless_memory_honest_lying_silent_vmm_and_reset_while
                 "{answer:?}: commands ran without ring data"
             );
             assert_eq!(
-                vmm.read32(bar, REG_ERROR_CODE),
+                vmm.read32(bar, REG_ERROR_CODE).unwrap(),
                 ERR_RING_FAULT,
                 "{answer:?}"
             );
-            vmm.write32(bar, REG_IRQ_ACK, IRQ_ALL);
+            vmm.write32(bar, REG_IRQ_ACK, IRQ_ALL).unwrap();
         }
     }
     // Reset while the worker waits for a DMA_READ the VMM never answers: bounded by the
     // remote DMA timeout, then the device is back at reset values and works again.
-    vmm.answer = Answer::Silent;
+    vmm.set_answer(Answer::Silent);
     let bytes = Command::encode_bytes(&[Command::Nop]);
     let t = tail as usize;
-    vmm.mem[t..t + bytes.len()].copy_from_slice(&bytes);
-    vmm.write32(bar, REG_RING_TAIL, tail + 4);
+    vmm.mem_mut()[t..t + bytes.len()].copy_from_slice(&bytes);
+    vmm.write32(bar, REG_RING_TAIL, tail + 4).unwrap();
     let started = std::time::Instant::now();
-    let m = vmm.call(umdev::protocol::Command::DeviceReset, &[], &[]);
+    let m = vmm
+        .call(umdev::protocol::Command::DeviceReset, &[], &[])
+        .unwrap();
     assert!(!m.header.is_error(), "reset errno {}", m.header.error);
     assert!(
         started.elapsed() < timeout + Duration::from_secs(3),
         "reset took {:?}",
         started.elapsed()
     );
-    assert_eq!(vmm.read32(bar, REG_RING_CTRL), 0);
-    vmm.answer = Answer::Honest;
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    assert_eq!(vmm.read32(bar, REG_RING_CTRL).unwrap(), 0);
+    vmm.set_answer(Answer::Honest);
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     fdless_setup(&mut vmm);
     let fill = Command::FillRect {
         x: 1,
@@ -811,19 +803,19 @@ fn test_gpu_socket_lock_limit_gtt_fault_nothing_pinned_by_failed_blit() {
     vm.run(&[blit(0, 4, 8)]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
     assert_eq!(vm.pins_held(), 8);
-    let s = vm.served.dma.stats();
+    let s = vm.served.dma().stats();
     assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
     // Entries 8..16 need 8 more pages: refused, the first 8 stay exactly as they were.
     vm.run_expect(&[blit(8, 4, 8)], ERR_GTT_FAULT);
     assert_eq!(vm.pins_held(), 8);
-    let s = vm.served.dma.stats();
+    let s = vm.served.dma().stats();
     assert_eq!((s.pinned_pages, s.locked_pages), (8, 8));
-    vm.served.dma.check_invariants().unwrap();
+    vm.served.dma().check_invariants().unwrap();
     // Dropping the first surface frees the budget for the second.
     vm.drv.clear_gtt(0, 8).unwrap();
     vm.run(&[blit(8, 4, 8)]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
-    assert_eq!(vm.served.dma.stats().locked_pages, 8);
+    assert_eq!(vm.served.dma().stats().locked_pages, 8);
     vm.drv.clear_gtt(8, 8).unwrap();
     vm.assert_serving();
     vm.assert_pins_return_to_zero(16);
@@ -843,7 +835,7 @@ fn test_gpu_socket_random_config_space_writes_keep_serving() {
             rng.below(256)
         };
         let size = rng.pick(&[1usize, 2, 4]).min((256 - off) as usize);
-        let v = rng.next().to_le_bytes();
+        let v = rng.next_u64().to_le_bytes();
         if vm
             .client()
             .region_write(region_index::CONFIG, off, &v[..size])
@@ -880,7 +872,7 @@ fn test_gpu_socket_refused_pin_upgrade_keeps_read_only_pins_exactly() {
     vm.run(&[blit(0, 4, 2)]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
     assert_eq!(vm.pins_held(), 2);
-    let before = vm.served.dma.stats();
+    let before = vm.served.dma().stats();
     assert_eq!((before.pinned_pages, before.locked_pages), (2, 2));
     // READBACK needs both writable: the upgrade of entry 1 is refused as a whole.
     vm.run_expect(&[readback(0, 4, 2)], ERR_GTT_FAULT);
@@ -889,13 +881,13 @@ fn test_gpu_socket_refused_pin_upgrade_keeps_read_only_pins_exactly() {
         2,
         "read-only pins lost by the failed upgrade"
     );
-    let after = vm.served.dma.stats();
+    let after = vm.served.dma().stats();
     assert_eq!(
         (after.pinned_pages, after.locked_pages),
         (2, 2),
         "{before:?} -> {after:?}"
     );
-    vm.served.dma.check_invariants().unwrap();
+    vm.served.dma().check_invariants().unwrap();
     // The read-only pins still serve blits.
     vm.run(&[blit(0, 4, 2)]);
     assert_eq!(vm.take_error(), (ERR_NONE, 0));
@@ -909,10 +901,10 @@ fn test_gpu_socket_vmm_shrinks_pinned_memfd_server_survives() {
     // that no longer exist. The server must not die (SIGBUS); the device reads zeros.
     let mut vm = GpuVm::new(PinPolicy::Translate);
     const GPA: u64 = 0x6000_0000;
-    let mem = rig::memfd(16 * 4096);
+    let mem = memfd(16 * 4096).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&mem, &[0x77; 16 * 4096], 0).unwrap();
-    let dma = vm.served.dma.clone();
-    rig::client_map(vm.client(), &dma, &mem, 0, GPA, 16 * 4096);
+    let dma = vm.served.dma().clone();
+    client_map(vm.client(), &dma, &mem, 0, GPA, 16 * 4096);
     for i in 0..4 {
         vm.drv.set_gtt(i, GPA + u64::from(i) * 4096, true).unwrap();
     }

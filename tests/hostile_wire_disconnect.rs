@@ -11,7 +11,6 @@ mod hostile;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
-use common::raw_client::{Msg, RawClient, DEFAULT_CAPS};
 use common::test_device::{REG_DMA_IOVA, REG_DMA_LEN, REG_DMA_OP, REG_DMA_STATUS, REG_DOORBELL};
 use common::TestServer;
 use hostile::*;
@@ -19,7 +18,8 @@ use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::set_irqs::encode_set_irqs;
 use umdev::protocol::wire::Put;
 use umdev::protocol::{encode_message, Command, FLAGS_NO_REPLY, HEADER_SIZE};
-use umdev::server::socket_io::{header_of, recv_header, recv_payload, send_message};
+use umdev::server::socket_io::send_message;
+use umdev::testing::{memfd, Msg, RawClient, DEFAULT_CAPS};
 use vfio_bindings::bindings::vfio::*;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -69,18 +69,6 @@ struct Session {
     twin: Option<UnixStream>,
     _keep: Vec<OwnedFd>,
     _efds: Vec<EventFd>,
-}
-
-fn recv_on(s: &UnixStream) -> Msg {
-    let raw = recv_header(s).expect("recv").expect("closed");
-    let header = header_of(&raw);
-    let mut payload = vec![0u8; header.msg_size as usize - HEADER_SIZE];
-    recv_payload(s, &mut payload).unwrap();
-    Msg {
-        header,
-        payload,
-        fds: raw.fds,
-    }
 }
 
 fn ok(m: &Msg, what: &str) {
@@ -155,7 +143,7 @@ fn script(path: &std::path::Path, stop: Stop, twin: bool) -> Session {
     if stop == Stop::Version {
         return s;
     }
-    let mem = common::memfd(SIZE);
+    let mem = memfd(SIZE).unwrap();
     ok(
         &s.c.call(
             Command::DmaMap as u16,
@@ -244,7 +232,7 @@ fn script(path: &std::path::Path, stop: Stop, twin: bool) -> Session {
         // connection thread waits for the answer, which never comes.
         start_dma(&mut s.c, FDLESS_IOVA, 16, 1);
         let req = match &s.twin {
-            Some(t) => recv_on(t),
+            Some(t) => RawClient::recv_on(t),
             None => s.c.recv(),
         };
         assert_eq!(
@@ -261,10 +249,10 @@ fn script(path: &std::path::Path, stop: Stop, twin: bool) -> Session {
 /// (answering the DMA_READ), fire an IRQ; then hang up.
 fn full_session(ts: &TestServer, twin: bool) {
     let caps = if twin { TWIN_CAPS } else { DEFAULT_CAPS };
-    let (mut c, mut vr) = RawClient::negotiated(&ts.path, caps);
+    let (mut c, mut vr) = RawClient::negotiated(ts.path(), caps);
     let twin_sock = vr.fds.pop().map(UnixStream::from);
     assert_eq!(twin_sock.is_some(), twin);
-    let mem = common::memfd(SIZE);
+    let mem = memfd(SIZE).unwrap();
     {
         use std::os::unix::fs::FileExt;
         mem.write_all_at(b"fd-backed", 0).unwrap();
@@ -288,7 +276,7 @@ fn full_session(ts: &TestServer, twin: bool) {
     assert_eq!(ts.state().reg32(REG_DMA_STATUS), 0, "DMA from the fd map");
     start_dma(&mut c, FDLESS_IOVA + 0x10, 8, 1);
     let req = match &twin_sock {
-        Some(t) => recv_on(t),
+        Some(t) => RawClient::recv_on(t),
         None => c.recv(),
     };
     assert_eq!(req.header.command, Command::DmaRead as u16);
@@ -310,7 +298,7 @@ fn check_released(ts: &TestServer, baseline: usize, disconnects: u32, what: &str
     // The server notices the hang-up asynchronously (a bare connect may not even have
     // been accepted yet when the client closes).
     ts.wait_for(what, |st| st.disconnects >= disconnects);
-    settle_dma(&ts.dma, 0, what);
+    settle_dma(ts.dma(), 0, what);
     settle_fds(baseline, what);
     let st = ts.state();
     assert_eq!(st.disconnects, disconnects, "{what}: disconnect not seen");
@@ -320,18 +308,18 @@ fn check_released(ts: &TestServer, baseline: usize, disconnects: u32, what: &str
 fn every_boundary(twin: bool) {
     let _g = serial();
     let ts = TestServer::start();
-    let baseline = fd_count();
+    let baseline = open_fds();
     let mut disconnects = 0;
     for stop in STOPS {
         let what = format!("hang-up at {stop:?} (twin {twin})");
-        drop(script(&ts.path, stop, twin));
+        drop(script(ts.path(), stop, twin));
         disconnects += 1;
         check_released(&ts, baseline, disconnects, &what);
         full_session(&ts, twin);
         disconnects += 1;
         check_released(&ts, baseline, disconnects, &format!("session after {what}"));
     }
-    assert_eq!(ts.dma.stats().leaked_pins_released, 0);
+    assert_eq!(ts.dma().stats().leaked_pins_released, 0);
 }
 
 #[test]
@@ -351,7 +339,7 @@ fn test_hostile_disconnect_200_reconnects_no_fd_thread_or_rss_growth() {
     // One session first so lazily created state (log subscriber, ...) exists.
     full_session(&ts, false);
     ts.wait_for("first session gone", |s| s.disconnects == 1);
-    let fds = fd_count();
+    let fds = open_fds();
     let threads = thread_count();
     let mut rss_warm = 0;
     for i in 0..200u32 {
@@ -359,10 +347,10 @@ fn test_hostile_disconnect_200_reconnects_no_fd_thread_or_rss_growth() {
             rss_warm = rss_kib();
         }
         let stop = STOPS[i as usize % STOPS.len()];
-        drop(script(&ts.path, stop, i % 2 == 1));
+        drop(script(ts.path(), stop, i % 2 == 1));
         ts.wait_for("hang-up seen", |s| s.disconnects == 2 + i);
     }
-    settle_dma(&ts.dma, 0, "after 200 reconnects");
+    settle_dma(ts.dma(), 0, "after 200 reconnects");
     settle_fds(fds, "after 200 reconnects");
     let after = settle_threads(threads);
     assert!(after <= threads, "threads grew from {threads} to {after}");

@@ -11,7 +11,6 @@ mod hostile;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
 
-use common::raw_client::RawClient;
 use common::TestServer;
 use hostile::*;
 use umdev::protocol::dma_map::DmaMapRequest;
@@ -20,6 +19,7 @@ use umdev::protocol::region_access::{encode_write_multi, RegionAccess, WriteOne}
 use umdev::protocol::set_irqs::encode_set_irqs;
 use umdev::protocol::wire::Put;
 use umdev::protocol::{Command, FLAGS_ERROR, FLAGS_NO_REPLY, FLAGS_TYPE_REPLY, HEADER_SIZE};
+use umdev::testing::{memfd, RawClient};
 use vfio_bindings::bindings::vfio::*;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -131,10 +131,10 @@ struct Fds {
 
 impl Fds {
     fn new() -> Fds {
-        let mem = common::memfd(MAP_SIZE);
+        let mem = memfd(MAP_SIZE).unwrap();
         let ro = std::fs::File::open(format!("/proc/self/fd/{}", mem.as_raw_fd())).unwrap();
         Fds {
-            small: common::memfd(0x1000),
+            small: memfd(0x1000).unwrap(),
             ro,
             mem,
             pipe: pipe(),
@@ -889,7 +889,7 @@ fn cases(f: &Fds) -> Vec<Case> {
 fn test_hostile_malformed_every_command_errno_usable_no_leak() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let f = Fds::new();
     let ok = c.call(
         Command::DmaMap as u16,
@@ -903,7 +903,7 @@ fn test_hostile_malformed_every_command_errno_usable_no_leak() {
         ok.header.error
     );
     usable(&mut c, "setup");
-    let baseline = fd_count();
+    let baseline = open_fds();
     let t0 = Instant::now();
     let all = cases(&f);
     let n = all.len();
@@ -927,7 +927,7 @@ fn test_hostile_malformed_every_command_errno_usable_no_leak() {
         }
         usable(&mut c, k.name);
         settle_fds(baseline, k.name);
-        settle_dma(&ts.dma, 1, k.name);
+        settle_dma(ts.dma(), 1, k.name);
     }
     eprintln!("{n} malformed cases in {:?}", t0.elapsed());
     // Mappings made before still work: the device reads the mapped memory.
@@ -953,8 +953,8 @@ fn expect_errno(c: &mut RawClient, id: u16, errno: u32, what: &str) {
 fn test_hostile_size_larger_than_payload_following_bytes_consumed_einval() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let baseline = fd_count();
+    let mut c = RawClient::new_default(ts.path());
+    let baseline = open_fds();
     // DMA_UNMAP claims 32 payload bytes but carries its 24; the server waits for the rest,
     // so the next 8 bytes the client sends belong to this message.
     let body = unmap_req(24, 0, MAP_IOVA, MAP_SIZE);
@@ -964,15 +964,15 @@ fn test_hostile_size_larger_than_payload_following_bytes_consumed_einval() {
     expect_errno(&mut c, 1, EINVAL, "32-byte DMA_UNMAP");
     usable(&mut c, "after a long size field");
     settle_fds(baseline, "size larger than payload");
-    settle_dma(&ts.dma, 0, "size larger than payload");
+    settle_dma(ts.dma(), 0, "size larger than payload");
 }
 
 #[test]
 fn test_hostile_size_smaller_than_payload_rest_is_next_message() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let baseline = fd_count();
+    let mut c = RawClient::new_default(ts.path());
+    let baseline = open_fds();
     // REGION_READ says 8 payload bytes but 16 follow: the server reads exactly msg_size,
     // answers EINVAL, and takes the next 16 bytes as the next header. Here those bytes
     // (8 trailing + 8 more) happen to form an unknown command, answered with ENOSYS.
@@ -991,10 +991,10 @@ fn test_hostile_size_smaller_than_payload_rest_is_next_message() {
 fn test_hostile_size_below_header_einval_then_closed_next_client_ok() {
     let _g = serial();
     let ts = TestServer::start();
-    let baseline = fd_count();
+    let baseline = open_fds();
     {
-        let mut c = RawClient::new_default(&ts.path);
-        let mem = common::memfd(MAP_SIZE);
+        let mut c = RawClient::new_default(ts.path());
+        let mem = memfd(MAP_SIZE).unwrap();
         let r = c.call(
             Command::DmaMap as u16,
             0,
@@ -1006,13 +1006,13 @@ fn test_hostile_size_below_header_einval_then_closed_next_client_ok() {
         send_lying(&mut c, 9, Command::DeviceGetInfo as u16, 8, &[]);
         expect_errno(&mut c, 9, EINVAL, "msg_size 8");
         assert!(
-            closed_by_peer(&c.stream),
+            closed_by_peer(c.stream()),
             "connection kept after lost framing"
         );
     }
-    settle_dma(&ts.dma, 0, "after lost framing");
+    settle_dma(ts.dma(), 0, "after lost framing");
     settle_fds(baseline, "after lost framing");
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     usable(&mut c, "next client");
 }
 
@@ -1020,7 +1020,7 @@ fn test_hostile_size_below_header_einval_then_closed_next_client_ok() {
 fn test_hostile_header_split_across_writes_served() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let a = access(7, 4, 4);
     let mut m = raw_header(5, Command::RegionRead as u16, 32, 0).to_vec();
     m.extend_from_slice(&a);
@@ -1038,7 +1038,7 @@ fn test_hostile_header_split_across_writes_served() {
 fn test_hostile_one_gib_size_field_e2big_without_allocating() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let rss0 = rss_kib();
     let size: u32 = 1 << 30;
     send_lying(
@@ -1074,7 +1074,7 @@ fn test_hostile_one_gib_size_field_e2big_without_allocating() {
 fn test_hostile_interleaved_ids_replies_in_order_with_their_ids() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     // Sent back to back without waiting: duplicate, descending and wrapping ids, and an
     // unsolicited reply in the middle.
     // (id, command, flags, payload, expected errno)
@@ -1127,22 +1127,22 @@ fn test_hostile_interleaved_ids_replies_in_order_with_their_ids() {
 fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let baseline = fd_count();
+    let mut c = RawClient::new_default(ts.path());
+    let baseline = open_fds();
     // A closed fd cannot even be sent: the client's own sendmsg fails with EBADF.
     let closed = {
-        let f = common::memfd(4096);
+        let f = memfd(4096).unwrap();
         f.as_raw_fd()
     };
     let h = raw_header(1, Command::DmaMap as u16, 48, 0);
     let mut m = h.to_vec();
     m.extend_from_slice(&map_req(3, 0, MAP_IOVA, MAP_SIZE));
-    let err = umdev::server::socket_io::send_message(&c.stream, &m, &[closed]).unwrap_err();
+    let err = umdev::server::socket_io::send_message(c.stream(), &m, &[closed]).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EBADF));
     // An fd the client closes right after sending: the server holds its own reference.
     {
         use std::os::unix::fs::FileExt;
-        let mem = common::memfd(MAP_SIZE);
+        let mem = memfd(MAP_SIZE).unwrap();
         mem.write_all_at(b"hostile!", 0x1000).unwrap();
         let r = c.call(Command::DmaMap as u16, 0, &m[16..], &[mem.as_raw_fd()]);
         assert!(!r.header.is_error(), "map: errno {}", r.header.error);
@@ -1160,7 +1160,7 @@ fn test_hostile_fd_closed_by_client_after_map_mapping_still_valid() {
     );
     assert!(!r.header.is_error());
     settle_fds(baseline, "after unmap");
-    settle_dma(&ts.dma, 0, "after unmap");
+    settle_dma(ts.dma(), 0, "after unmap");
 }
 
 #[test]
@@ -1168,10 +1168,10 @@ fn test_hostile_maps_beyond_limit_enospc_then_usable() {
     let _g = serial();
     // The negotiated max_dma_maps (min of the client's and the server's) is enforced.
     let ts = TestServer::start_with(|c| c.max_dma_maps = 8);
-    let mem = common::memfd(0x1000);
-    let baseline = fd_count();
-    let mut c = RawClient::new_default(&ts.path);
-    let connected = fd_count();
+    let mem = memfd(0x1000).unwrap();
+    let baseline = open_fds();
+    let mut c = RawClient::new_default(ts.path());
+    let connected = open_fds();
     let map_at = |c: &mut RawClient, i: u64| {
         let fds = if i.is_multiple_of(2) {
             vec![mem.as_raw_fd()]
@@ -1194,7 +1194,7 @@ fn test_hostile_maps_beyond_limit_enospc_then_usable() {
         assert!(r.header.is_error(), "map {i} beyond the limit accepted");
         assert_eq!(r.header.error, libc::ENOSPC as u32);
     }
-    assert_eq!(ts.dma.stats().maps, 8);
+    assert_eq!(ts.dma().stats().maps, 8);
     usable(&mut c, "at the map limit");
     // Making room lets the next map in.
     let r = c.call(
@@ -1208,7 +1208,7 @@ fn test_hostile_maps_beyond_limit_enospc_then_usable() {
     // Rejected maps kept no fd (a mapping keeps its memory, not the fd).
     settle_fds(connected, "at the map limit");
     drop(c);
-    settle_dma(&ts.dma, 0, "after hang-up at the limit");
+    settle_dma(ts.dma(), 0, "after hang-up at the limit");
     settle_fds(baseline, "after hang-up at the limit");
 }
 
@@ -1220,7 +1220,7 @@ fn test_hostile_maps_beyond_limit_enospc_then_usable() {
 fn test_hostile_huge_fdless_map_enospc_without_allocating() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let rss0 = rss_kib();
     for size in [0x9000600004000u64, 1 << 62, 1 << 50] {
         let iova: u64 = 0x80_0000;
@@ -1249,14 +1249,14 @@ fn test_hostile_huge_fdless_map_enospc_without_allocating() {
     );
     assert!(!r.header.is_error());
     usable(&mut c, "after huge maps");
-    settle_dma(&ts.dma, 0, "after huge maps");
+    settle_dma(ts.dma(), 0, "after huge maps");
 }
 
 #[test]
 fn test_hostile_mapped_bytes_budget_configurable_freed_by_unmap() {
     let _g = serial();
     let ts = TestServer::start_with(|c| c.max_dma_mapped_bytes = 1 << 30);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let half = 1u64 << 29;
     for i in 0..2 {
         let r = c.call(
@@ -1285,8 +1285,8 @@ fn test_hostile_mapped_bytes_budget_configurable_freed_by_unmap() {
     assert!(!r.header.is_error(), "budget not freed by the unmap");
     // A new client starts from zero.
     drop(c);
-    settle_dma(&ts.dma, 0, "after hang-up");
-    let mut c = RawClient::new_default(&ts.path);
+    settle_dma(ts.dma(), 0, "after hang-up");
+    let mut c = RawClient::new_default(ts.path());
     let r = c.call(Command::DmaMap as u16, 0, &map_req(3, 0, 0, 1 << 30), &[]);
     assert!(!r.header.is_error(), "budget kept across clients");
 }

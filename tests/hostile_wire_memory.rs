@@ -11,12 +11,12 @@ mod hostile;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
 
-use common::raw_client::RawClient;
 use common::TestServer;
 use hostile::*;
 use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::wire::Put;
 use umdev::protocol::Command;
+use umdev::testing::{memfd, RawClient};
 
 /// Most RSS growth tolerated between the warmed-up state and the end (allocator noise).
 const MAX_GROWTH_KIB: u64 = 4 * 1024;
@@ -49,9 +49,9 @@ fn cycle(c: &mut RawClient, mem: &std::fs::File, i: u64) {
 fn map_unmap_cycles(n: u64) {
     let _g = serial();
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10_0000);
-    let fds0 = fd_count();
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10_0000).unwrap();
+    let fds0 = open_fds();
     let warm = n / 10;
     for i in 0..warm {
         cycle(&mut c, &mem, i);
@@ -69,7 +69,7 @@ fn map_unmap_cycles(n: u64) {
         warm,
         rss1 as i64 - rss0 as i64
     );
-    settle_dma(&ts.dma, 0, "after the cycles");
+    settle_dma(ts.dma(), 0, "after the cycles");
     settle_fds(fds0, "after the cycles");
     assert!(
         rss1 <= rss0 + MAX_GROWTH_KIB,

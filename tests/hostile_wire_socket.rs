@@ -10,7 +10,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 
-use common::raw_client::RawClient;
 use common::test_device::TestDevice;
 use common::TestServer;
 use hostile::*;
@@ -18,6 +17,7 @@ use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::Command;
 use umdev::server::{Server, ServerConfig, ServerError};
+use umdev::testing::{memfd, RawClient};
 
 fn mode_of(p: &std::path::Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
@@ -37,7 +37,7 @@ fn spawn_at(path: &std::path::Path) -> Result<umdev::server::RunningServer, Serv
 fn test_socket_default_mode_is_0600() {
     let _g = serial();
     let ts = TestServer::start();
-    assert_eq!(mode_of(&ts.path), 0o600);
+    assert_eq!(mode_of(ts.path()), 0o600);
     assert_eq!(ServerConfig::new("/x").socket_mode, 0o600);
 }
 
@@ -45,8 +45,8 @@ fn test_socket_default_mode_is_0600() {
 fn test_socket_mode_option_applied() {
     let _g = serial();
     let ts = TestServer::start_with(|c| c.socket_mode = 0o660);
-    assert_eq!(mode_of(&ts.path), 0o660);
-    let mut c = RawClient::new_default(&ts.path);
+    assert_eq!(mode_of(ts.path()), 0o660);
+    let mut c = RawClient::new_default(ts.path());
     assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
 }
 
@@ -54,8 +54,8 @@ fn test_socket_mode_option_applied() {
 fn test_socket_second_client_gets_ebusy_first_session_intact() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut first = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x4000);
+    let mut first = RawClient::new_default(ts.path());
+    let mem = memfd(0x4000).unwrap();
     let map = DmaMapRequest {
         flags: 3,
         offset: 0,
@@ -64,23 +64,23 @@ fn test_socket_second_client_gets_ebusy_first_session_intact() {
     };
     let r = first.call(Command::DmaMap as u16, 0, &map.encode(), &[mem.as_raw_fd()]);
     assert!(!r.header.is_error());
-    let baseline = fd_count();
+    let baseline = open_fds();
     for _ in 0..3 {
         let mut p = vec![0, 0, 0, 0];
         p.extend_from_slice(b"{}\0");
-        let mut second = RawClient::connect(&ts.path);
+        let mut second = RawClient::connect(ts.path());
         let id = second.send(Command::Version as u16, 0, &p, &[]);
         let m = second.recv();
         assert_eq!(m.header.msg_id, id);
         assert!(m.header.is_error(), "second client was served");
         assert_eq!(m.header.error, libc::EBUSY as u32);
-        assert!(closed_by_peer(&second.stream), "second client kept open");
+        assert!(closed_by_peer(second.stream()), "second client kept open");
         // The first session still works and still owns its mapping.
         assert_eq!(first.region_read(7, 4, 4), vec![4, 5, 6, 7]);
-        assert_eq!(ts.dma.stats().maps, 1);
+        assert_eq!(ts.dma().stats().maps, 1);
     }
     // A second client that connects and says nothing is closed too.
-    let silent = UnixStream::connect(&ts.path).unwrap();
+    let silent = UnixStream::connect(ts.path()).unwrap();
     assert!(closed_by_peer(&silent));
     drop(silent);
     settle_fds(baseline, "after refusing second clients");
@@ -89,7 +89,7 @@ fn test_socket_second_client_gets_ebusy_first_session_intact() {
     // Once the first client leaves, the next one is served.
     drop(first);
     ts.wait_for("first client gone", |s| s.disconnects == 1);
-    let mut next = RawClient::new_default(&ts.path);
+    let mut next = RawClient::new_default(ts.path());
     assert_eq!(next.region_read(7, 0, 2), vec![0, 1]);
 }
 
@@ -138,7 +138,7 @@ fn test_socket_path_not_a_socket_left_alone() {
 fn test_socket_client_not_reading_replies_shutdown_still_returns() {
     let _g = serial();
     let mut ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     // Ask for far more reply bytes than the socket buffers hold and never read them: the
     // connection thread ends up blocked in sendmsg.
     let a = umdev::protocol::region_access::RegionAccess {
@@ -150,7 +150,7 @@ fn test_socket_client_not_reading_replies_shutdown_still_returns() {
         c.send(Command::RegionRead as u16, 0, &a.encode(), &[]);
     }
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let server = ts.server.take().unwrap();
+    let server = ts.take_running().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(server.shutdown());
@@ -167,13 +167,13 @@ fn test_socket_client_not_reading_replies_shutdown_still_returns() {
 fn test_socket_connection_storm_refusals_bounded_first_session_intact() {
     let _g = serial();
     let ts = TestServer::start();
-    let mut first = RawClient::new_default(&ts.path);
-    let fds = fd_count();
+    let mut first = RawClient::new_default(ts.path());
+    let fds = open_fds();
     let threads = thread_count();
     // 12 clients connect at once and say nothing: at most 4 refusal threads run (each
     // refused connection costs the accept loop up to 100 ms, so the storm stays small).
     let storm: Vec<UnixStream> = (0..12)
-        .map(|_| UnixStream::connect(&ts.path).unwrap())
+        .map(|_| UnixStream::connect(ts.path()).unwrap())
         .collect();
     let mut peak = 0;
     for _ in 0..40 {
@@ -230,7 +230,7 @@ fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_id
         TestServer::start_with(|c| c.negotiation_timeout = std::time::Duration::from_millis(200));
     // Connects and never says VERSION: disconnected, the slot is free again.
     let t0 = std::time::Instant::now();
-    let silent = UnixStream::connect(&ts.path).unwrap();
+    let silent = UnixStream::connect(ts.path()).unwrap();
     assert!(closed_by_peer(&silent), "silent client kept");
     let waited = t0.elapsed();
     assert!(
@@ -239,12 +239,12 @@ fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_id
     );
     ts.wait_for("silent client torn down", |s| s.disconnects == 1);
     // Half a header, then nothing: same.
-    let mut half = RawClient::connect(&ts.path);
+    let mut half = RawClient::connect(ts.path());
     half.send_raw(&raw_header(1, Command::Version as u16, 40, 0)[..8], &[]);
-    assert!(closed_by_peer(&half.stream), "half-header client kept");
+    assert!(closed_by_peer(half.stream()), "half-header client kept");
     ts.wait_for("half-header client torn down", |s| s.disconnects == 2);
     // A negotiated client may stay idle for longer than the timeout.
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     std::thread::sleep(std::time::Duration::from_millis(500));
     assert_eq!(c.region_read(7, 0, 2), vec![0, 1]);
     assert_eq!(ts.state().disconnects, 2);
@@ -253,7 +253,7 @@ fn test_socket_silent_client_dropped_after_negotiation_timeout_negotiated_may_id
 #[test]
 fn test_socket_bound_privately_no_leftovers_long_path_falls_back() {
     let _g = serial();
-    common::init_logs();
+    umdev::testing::init_logs();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("dev.sock");
     let s = spawn_at(&path).unwrap();

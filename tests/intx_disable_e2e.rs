@@ -5,18 +5,18 @@
 //! acknowledged the completion meanwhile, which makes the device lower its line.
 //! umdev's server serves the device, the independent `vfio_user::Client` is the VMM.
 
-mod common;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use rig::{client_map, enable_device, wait_until, Served};
+use independent::{client_map, enable_device};
 use umdev::device::{irq_index, region_index};
-use umdev::dma::DmaConfig;
+use umdev::pci::PciAdapter;
+use umdev::testing::{memfd, wait_until, TestServer};
 use umdev_devices::ccw::driver::{self, regs, CcwWord, Fault, OperationBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use vfio_bindings::bindings::vfio::{
@@ -38,7 +38,7 @@ const CMD_INTX_DISABLED: u16 = 0x0406;
 const STATUS_INTERRUPT: u16 = 0x0008;
 
 struct Vm {
-    served: Served<Ccw>,
+    served: TestServer<PciAdapter<Ccw>>,
     client: vfio_user::Client,
     _ram: File,
     intx: EventFd,
@@ -49,11 +49,15 @@ impl Vm {
     fn new() -> Vm {
         let dir = tempfile::tempdir().unwrap();
         let ccw = Ccw::new(CcwConfig::new(dir.path().join("ccw.img")).with_capacity(64)).unwrap();
-        let served = Served::start(ccw, DmaConfig::default(), dir, |_| {});
-        let mut client = served.connect();
+        let served = TestServer::builder_pci(ccw)
+            .unwrap()
+            .in_dir(dir)
+            .start()
+            .unwrap();
+        let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let ram = rig::memfd(RAM_SIZE);
-        client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
+        let ram = memfd(RAM_SIZE).unwrap();
+        client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
         let opb = OperationBlock {
             program: PROGRAM,
             block: 0,

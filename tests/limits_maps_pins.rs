@@ -4,19 +4,19 @@
 //! failed call (checked against the kernel's own mlock count). Memory growth over many
 //! map/unmap cycles is measured alone in `limits_rss.rs` (RSS is per process).
 
-mod common;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
 use std::os::fd::AsRawFd;
 
-use common::raw_client::RawClient;
-use rig::Served;
+use independent::{client_map, enable_device};
 use umdev::dma::{DmaConfig, DmaError, PinPolicy, Prot, PAGE_SHIFT, PAGE_SIZE};
+use umdev::pci::PciAdapter;
 use umdev::protocol::dma_map::{
     DmaMapRequest, DmaUnmapRequest, DMA_MAP_FLAG_READ, DMA_MAP_FLAG_WRITE,
 };
 use umdev::protocol::Command;
+use umdev::testing::{memfd, open_fds, wait_until, RawClient, TestServer, DEFAULT_CAPS};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
 const MAX_MAPS: u32 = 256;
@@ -33,8 +33,16 @@ fn gpu() -> Gpu {
     Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap()
 }
 
-fn serve(dma: DmaConfig, tune: impl FnOnce(&mut umdev::server::ServerConfig)) -> Served<Gpu> {
-    Served::start(gpu(), dma, tempfile::tempdir().unwrap(), tune)
+fn serve(
+    dma: DmaConfig,
+    tune: impl FnOnce(&mut umdev::server::ServerConfig),
+) -> TestServer<PciAdapter<Gpu>> {
+    TestServer::builder_pci(gpu())
+        .unwrap()
+        .dma_config(dma)
+        .configure(tune)
+        .start()
+        .unwrap()
 }
 
 fn map_payload(iova: u64, size: u64, offset: u64) -> Vec<u8> {
@@ -70,14 +78,14 @@ fn unmap_page(c: &mut RawClient, i: u64) -> u32 {
 }
 
 /// Fill up to `limit` maps, check the next is ENOSPC and leaks no fd, unmap one, map again.
-fn exercise_map_limit(served: &Served<Gpu>, limit: u32) {
-    let mem = rig::memfd(u64::from(limit + 2) * PAGE_SIZE);
-    let mut c = RawClient::new_default(&served.path);
+fn exercise_map_limit(served: &TestServer<PciAdapter<Gpu>>, limit: u32) {
+    let mem = memfd(u64::from(limit + 2) * PAGE_SIZE).unwrap();
+    let mut c = RawClient::new_default(served.path());
     for i in 0..u64::from(limit) {
         assert_eq!(map_page(&mut c, &mem, i), 0, "map {i} of {limit}");
     }
-    assert_eq!(served.dma.stats().maps, u64::from(limit));
-    let fds = rig::open_fds();
+    assert_eq!(served.dma().stats().maps, u64::from(limit));
+    let fds = open_fds();
     for _ in 0..3 {
         assert_eq!(
             map_page(&mut c, &mem, u64::from(limit)) as i32,
@@ -87,11 +95,11 @@ fn exercise_map_limit(served: &Served<Gpu>, limit: u32) {
     }
     // (The server may close a refused fd just after its reply: allow it a moment.)
     assert!(
-        rig::wait_until(std::time::Duration::from_secs(2), || rig::open_fds() == fds),
+        wait_until(std::time::Duration::from_secs(2), || open_fds() == fds),
         "refused DMA_MAP leaked its fd: {} open, {fds} before",
-        rig::open_fds()
+        open_fds()
     );
-    assert_eq!(served.dma.stats().maps, u64::from(limit));
+    assert_eq!(served.dma().stats().maps, u64::from(limit));
     // One slot freed, one map fits again, the next is refused again.
     assert_eq!(unmap_page(&mut c, 7), 0);
     assert_eq!(map_page(&mut c, &mem, u64::from(limit)), 0);
@@ -101,7 +109,7 @@ fn exercise_map_limit(served: &Served<Gpu>, limit: u32) {
     );
     // The connection still works for everything else.
     assert_eq!(c.region_read(0, 0, 4), b"UGPU");
-    served.dma.check_invariants().unwrap();
+    served.dma().check_invariants().unwrap();
 }
 
 #[test]
@@ -123,15 +131,15 @@ fn test_limits_server_config_max_maps_is_enforced() {
     // Only the server's configuration says 256: the value it advertises in VERSION must be
     // the one it enforces, whatever the DMA space was built with.
     let served = serve(DmaConfig::default(), |c| c.max_dma_maps = MAX_MAPS);
-    let (_, reply) = RawClient::negotiated(&served.path, common::raw_client::DEFAULT_CAPS);
+    let (_, reply) = RawClient::negotiated(served.path(), DEFAULT_CAPS);
     let caps = String::from_utf8_lossy(&reply.payload[4..]).into_owned();
     assert!(
         caps.contains(&format!("\"max_dma_maps\":{MAX_MAPS}")),
         "advertised: {caps}"
     );
     drop(reply);
-    rig::wait_until(std::time::Duration::from_secs(2), || {
-        served.dma.stats().maps == 0
+    wait_until(std::time::Duration::from_secs(2), || {
+        served.dma().stats().maps == 0
     });
     exercise_map_limit(&served, MAX_MAPS);
 }
@@ -174,12 +182,12 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
         },
         |_| {},
     );
-    let mut client = served.connect();
+    let mut client = independent::connect(served.path());
     // The test pins through the device's DMA handle: the guest lets the device DMA.
-    rig::enable_device(&mut client);
-    let mem = rig::memfd(64 * PAGE_SIZE);
-    rig::client_map(&mut client, &served.dma, &mem, 0, BASE, 64 * PAGE_SIZE);
-    let h = served.dma.handle();
+    enable_device(&mut client);
+    let mem = memfd(64 * PAGE_SIZE).unwrap();
+    client_map(&mut client, served.dma(), &mem, 0, BASE, 64 * PAGE_SIZE);
+    let h = served.dma().handle();
     let pfn0 = BASE >> PAGE_SHIFT;
     let pfns = |r: std::ops::Range<u64>| -> Vec<u64> { r.map(|i| pfn0 + i).collect() };
     let mut addrs = vec![0u64; 64];
@@ -189,7 +197,7 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
     h.pin_pages(&first, Prot::RW, &mut addrs[..8]).unwrap();
     h.pin_pages(&pfns(20..28), Prot::READ, &mut addrs[..8])
         .unwrap();
-    let at_limit = served.dma.stats();
+    let at_limit = served.dma().stats();
     let host0 = addrs[7] - 27 * PAGE_SIZE; // addrs[7] is page 27 of the mapping
     assert_eq!(locked_kib(host0, 64 * PAGE_SIZE), LIMIT * PAGE_SIZE / 1024);
     assert_eq!(
@@ -200,7 +208,7 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
     // Re-pinning pages that are already locked needs no new locked memory.
     h.pin_pages(&pfns(0..4), Prot::READ, &mut addrs[..4])
         .expect("re-pinning locked pages must not count against the limit");
-    assert_eq!(served.dma.stats().locked_pages, LIMIT);
+    assert_eq!(served.dma().stats().locked_pages, LIMIT);
 
     // Already-pinned pages first, then one new page: refused as a whole.
     let mut bad = pfns(0..8);
@@ -214,7 +222,7 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
         "{err:?}"
     );
     assert_eq!(err.errno(), libc::ENOMEM);
-    let after = served.dma.stats();
+    let after = served.dma().stats();
     assert_eq!(
         (after.pinned_pages, after.locked_pages),
         (at_limit.pinned_pages, at_limit.locked_pages),
@@ -226,13 +234,13 @@ fn test_limits_lock_limit_exceeded_leaves_counts_and_refcounts_unchanged() {
         LIMIT * PAGE_SIZE / 1024,
         "pages really mlocked after the failed call"
     );
-    served.dma.check_invariants().unwrap();
+    served.dma().check_invariants().unwrap();
     // A range pin past the limit fails the same way.
     assert!(matches!(
         h.pin_range(pfn0 + 40, 2, Prot::READ),
         Err(DmaError::LimitExceeded { .. })
     ));
-    assert_eq!(served.dma.stats().pinned_pages, LIMIT);
+    assert_eq!(served.dma().stats().pinned_pages, LIMIT);
 
     // Refcounts are exactly what the successful calls took: undo them and nothing is left
     // (a failed call that kept a reference would leave pages pinned here).

@@ -2,18 +2,14 @@
 //! after 10 000 DMA_MAP/DMA_UNMAP cycles through a real socket. Alone in its own test binary
 //! because RSS is per process and other tests would add their own allocations.
 
-mod common;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
-
 use std::os::fd::AsRawFd;
 
-use common::raw_client::RawClient;
-use umdev::dma::{DmaConfig, PAGE_SIZE};
+use umdev::dma::PAGE_SIZE;
 use umdev::protocol::dma_map::{
     DmaMapRequest, DmaUnmapRequest, DMA_MAP_FLAG_READ, DMA_MAP_FLAG_WRITE,
 };
 use umdev::protocol::Command;
+use umdev::testing::{memfd, open_fds, wait_until, RawClient, TestServer};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
 const BASE: u64 = 0x100_0000;
@@ -29,14 +25,9 @@ fn rss_kib() -> u64 {
 #[test]
 fn test_limits_10000_map_unmap_cycles_keep_rss_and_fds_bounded() {
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
-    let served = rig::Served::start(
-        gpu,
-        DmaConfig::default(),
-        tempfile::tempdir().unwrap(),
-        |_| {},
-    );
-    let mem = rig::memfd(16 * PAGE_SIZE);
-    let mut c = RawClient::new_default(&served.path);
+    let served = TestServer::builder_pci(gpu).unwrap().start().unwrap();
+    let mem = memfd(16 * PAGE_SIZE).unwrap();
+    let mut c = RawClient::new_default(served.path());
     let cycle = |c: &mut RawClient, i: u64| {
         let iova = BASE + (i % 4) * 16 * PAGE_SIZE;
         let p = DmaMapRequest {
@@ -65,28 +56,26 @@ fn test_limits_10000_map_unmap_cycles_keep_rss_and_fds_bounded() {
     for i in 0..1000 {
         cycle(&mut c, i);
     }
-    let (rss0, fds0) = (rss_kib(), rig::open_fds());
+    let (rss0, fds0) = (rss_kib(), open_fds());
     let t = std::time::Instant::now();
     for i in 0..10_000 {
         cycle(&mut c, i);
     }
-    let (rss1, fds1) = (rss_kib(), rig::open_fds());
+    let (rss1, fds1) = (rss_kib(), open_fds());
     eprintln!(
         "10000 map/unmap cycles in {:?}: RSS {rss0} KiB -> {rss1} KiB, fds {fds0} -> {fds1}",
         t.elapsed()
     );
     assert!(
-        fds1 == fds0
-            || rig::wait_until(std::time::Duration::from_secs(2), || rig::open_fds()
-                == fds0),
+        fds1 == fds0 || wait_until(std::time::Duration::from_secs(2), || open_fds() == fds0),
         "fds leaked: {fds0} -> {}",
-        rig::open_fds()
+        open_fds()
     );
     assert!(
         rss1 < rss0 + 2048,
         "RSS grew by {} KiB over 10000 cycles",
         rss1.saturating_sub(rss0)
     );
-    assert_eq!(served.dma.stats().maps, 0);
-    served.dma.check_invariants().unwrap();
+    assert_eq!(served.dma().stats().maps, 0);
+    served.dma().check_invariants().unwrap();
 }

@@ -4,7 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use umdev_cli::vmm::Vmm;
+use umdev::testing::{DeviceAccess, Vmm};
 
 fn wait_for(path: &std::path::Path) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -36,7 +36,9 @@ fn serve_read_id_and_interrupt(rust_log: &str) -> (bool, String) {
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "default socket mode");
 
-    let mut vmm = Vmm::connect(&sock, 1 << 30, 1 << 20).unwrap();
+    let mut vmm = Vmm::connect(&sock)
+        .and_then(|v| v.with_ram(1 << 30, 1 << 20))
+        .unwrap();
     assert_eq!(vmm.read32(0, 0).unwrap(), u32::from_le_bytes(*b"UGPU"));
     drop(vmm);
 

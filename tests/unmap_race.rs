@@ -7,24 +7,21 @@
 //! the DMA accounting return to zero at the end, and nothing had to be force-released (the
 //! devices honour the unmap notifier).
 
-mod common;
-#[path = "hostile_guest_rig/raw_vmm.rs"]
-mod raw_vmm;
-#[path = "hostile_guest_rig/mod.rs"]
-mod rig;
+#[path = "common/independent_client.rs"]
+mod independent;
 
 use std::fs::File;
-use std::io;
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use rig::{client_map, enable_device, wait_until, Served};
+use independent::{client_map, enable_device, SocketRegs};
 use umdev::device::region_index;
 use umdev::dma::{DmaConfig, PinPolicy};
+use umdev::testing::{memfd, wait_until, GuestMemory, TestServer};
 use umdev_devices::ccw::driver::{self as ccw_driver, regs as ccw_regs, CcwWord, Fault};
 use umdev_devices::ccw::driver::{OperationBlock, StatusBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, RegisterAccess};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
 
@@ -72,24 +69,6 @@ impl Graveyard {
     }
 }
 
-struct SocketRegs(vfio_user::Client);
-
-impl RegisterAccess for SocketRegs {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(region_index::BAR0, off, &mut b)
-            .map_err(|e| io::Error::other(e.to_string()))?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::other(e.to_string()))
-    }
-}
-
 const RING_GPA: u64 = 0x1000_0000;
 const SURF_GPA: u64 = 0x2000_0000;
 const SURF_PAGES: u64 = 16;
@@ -98,23 +77,29 @@ const SURF_SIZE: u64 = SURF_PAGES * 4096;
 #[test]
 fn test_unmap_race_gpu_readbacks_never_write_unmapped_memory() {
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
-    let served = Served::start(
-        gpu,
-        DmaConfig {
+    let served = TestServer::builder_pci(gpu)
+        .unwrap()
+        .dma_config(DmaConfig {
             policy: PinPolicy::Lock,
             lock_limit_bytes: Some(1 << 20),
             ..DmaConfig::default()
-        },
-        tempfile::tempdir().unwrap(),
-        |_| {},
-    );
-    let mut client = served.connect();
+        })
+        .start()
+        .unwrap();
+    let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let mut ring = GuestMemfd::new(RING_GPA, 64 * 1024).unwrap();
-    client_map(&mut client, &served.dma, &ring.fd(), 0, RING_GPA, 64 * 1024);
-    let mut surf = rig::memfd(SURF_SIZE);
-    client_map(&mut client, &served.dma, &surf, 0, SURF_GPA, SURF_SIZE);
-    let mut drv = Driver::probe(SocketRegs(client)).unwrap();
+    let mut ring = GuestMemory::new(RING_GPA, 64 * 1024).unwrap();
+    client_map(
+        &mut client,
+        served.dma(),
+        &ring.fd(),
+        0,
+        RING_GPA,
+        64 * 1024,
+    );
+    let mut surf = memfd(SURF_SIZE).unwrap();
+    client_map(&mut client, served.dma(), &surf, 0, SURF_GPA, SURF_SIZE);
+    let mut drv = Driver::probe(SocketRegs::new(client)).unwrap();
     drv.set_mode(64, 64, 256).unwrap();
     drv.setup_ring(RING_GPA, 32 * 1024).unwrap();
     for i in 0..SURF_PAGES as u32 {
@@ -148,15 +133,15 @@ fn test_unmap_race_gpu_readbacks_never_write_unmapped_memory() {
         cmds.push(Command::Fence { value: fence });
         drv.submit(&mut ring, &cmds).unwrap();
         // ...while the VMM pulls the memory away, then maps fresh memory at the same IOVA.
-        drv.regs().0.dma_unmap(SURF_GPA, SURF_SIZE).unwrap();
-        let old = std::mem::replace(&mut surf, rig::memfd(SURF_SIZE));
+        drv.regs().client.dma_unmap(SURF_GPA, SURF_SIZE).unwrap();
+        let old = std::mem::replace(&mut surf, memfd(SURF_SIZE).unwrap());
         graveyard.push(Retired::new(
             old,
             SURF_SIZE as usize,
             format!("surface #{it}"),
         ));
-        let (dma, regs) = (&served.dma, drv.regs());
-        client_map(&mut regs.0, dma, &surf, 0, SURF_GPA, SURF_SIZE);
+        let (dma, regs) = (served.dma(), drv.regs());
+        client_map(&mut regs.client, dma, &surf, 0, SURF_GPA, SURF_SIZE);
         drv.wait_fence(fence).unwrap();
         if drv.read(REG_IRQ_STATUS).unwrap() & IRQ_ERROR != 0 {
             assert_eq!(
@@ -218,22 +203,22 @@ fn test_unmap_race_ccw_reads_never_write_unmapped_memory() {
     // Image bytes that are not poison.
     std::fs::write(&image, vec![0x5a; 1 << 20]).unwrap();
     let ccw = Ccw::new(CcwConfig::new(&image)).unwrap();
-    let served = Served::start(
-        ccw,
-        DmaConfig {
+    let served = TestServer::builder_pci(ccw)
+        .unwrap()
+        .dma_config(DmaConfig {
             policy: PinPolicy::Lock,
             lock_limit_bytes: Some(1 << 20),
             ..DmaConfig::default()
-        },
-        dir,
-        |_| {},
-    );
-    let mut client = served.connect();
+        })
+        .in_dir(dir)
+        .start()
+        .unwrap();
+    let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let ram = rig::memfd(RAM_SIZE);
-    client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
-    let mut data = rig::memfd(DATA_SIZE);
-    client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+    let ram = memfd(RAM_SIZE).unwrap();
+    client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
+    let mut data = memfd(DATA_SIZE).unwrap();
+    client_map(&mut client, served.dma(), &data, 0, DATA_GPA, DATA_SIZE);
     // Four chained 32 KiB READs covering the 32 data pages, eight times over.
     let mut words = Vec::new();
     for _pass in 0..8 {
@@ -271,9 +256,9 @@ fn test_unmap_race_ccw_reads_never_write_unmapped_memory() {
         // Race the program: unmap its data pages, poison them, map fresh memory.
         std::thread::sleep(Duration::from_micros(100 * (it % 8)));
         client.dma_unmap(DATA_GPA, DATA_SIZE).unwrap();
-        let old = std::mem::replace(&mut data, rig::memfd(DATA_SIZE));
+        let old = std::mem::replace(&mut data, memfd(DATA_SIZE).unwrap());
         graveyard.push(Retired::new(old, DATA_SIZE as usize, format!("data #{it}")));
-        client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+        client_map(&mut client, served.dma(), &data, 0, DATA_GPA, DATA_SIZE);
         assert!(
             wait_until(Duration::from_secs(5), || reg(
                 &mut client,
@@ -319,17 +304,17 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
     let image = dir.path().join("disc.img");
     std::fs::write(&image, vec![0x5a; 1 << 20]).unwrap();
     let ccw = Ccw::new(CcwConfig::new(&image)).unwrap();
-    let served = Served::start(
-        ccw,
-        DmaConfig {
+    let served = TestServer::builder_pci(ccw)
+        .unwrap()
+        .dma_config(DmaConfig {
             policy: PinPolicy::Lock,
             lock_limit_bytes: Some(1 << 20),
             ..DmaConfig::default()
-        },
-        dir,
-        |_| {},
-    );
-    let ram = rig::memfd(RAM_SIZE);
+        })
+        .in_dir(dir)
+        .start()
+        .unwrap();
+    let ram = memfd(RAM_SIZE).unwrap();
     let mut words = Vec::new();
     for _pass in 0..8 {
         for i in 0..4u64 {
@@ -349,11 +334,11 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
     ram.write_all_at(&opb.to_bytes(), OPB - RAM).unwrap();
     let mut graveyard = Graveyard::default();
     for it in 0..12u64 {
-        let mut client = served.connect();
+        let mut client = independent::connect(served.path());
         enable_device(&mut client);
-        let data = rig::memfd(DATA_SIZE);
-        client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
-        client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+        let data = memfd(DATA_SIZE).unwrap();
+        client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
+        client_map(&mut client, served.dma(), &data, 0, DATA_GPA, DATA_SIZE);
         for (off, v) in [
             (ccw_regs::OPB_ADDR_LO, OPB as u32),
             (ccw_regs::OPB_ADDR_HI, 0),
@@ -366,7 +351,7 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
         std::thread::sleep(Duration::from_micros(150 * (it % 4)));
         drop(client); // the VMM dies mid-program
         assert!(
-            wait_until(Duration::from_secs(5), || served.dma.stats().maps == 0),
+            wait_until(Duration::from_secs(5), || served.dma().stats().maps == 0),
             "maps not released at disconnect"
         );
         // Disconnect aborts without storing status; the memory is the VMM's again.
@@ -380,11 +365,11 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
     }
     graveyard.check_all();
     // The next client gets a working device.
-    let mut client = served.connect();
+    let mut client = independent::connect(served.path());
     enable_device(&mut client);
-    let data = rig::memfd(DATA_SIZE);
-    client_map(&mut client, &served.dma, &ram, 0, RAM, RAM_SIZE);
-    client_map(&mut client, &served.dma, &data, 0, DATA_GPA, DATA_SIZE);
+    let data = memfd(DATA_SIZE).unwrap();
+    client_map(&mut client, served.dma(), &ram, 0, RAM, RAM_SIZE);
+    client_map(&mut client, served.dma(), &data, 0, DATA_GPA, DATA_SIZE);
     let reg = |c: &mut vfio_user::Client, off: u64| {
         let mut b = [0u8; 4];
         c.region_read(region_index::BAR0, off, &mut b).unwrap();
@@ -419,26 +404,22 @@ fn test_unmap_race_ccw_disconnect_mid_program_releases_everything_next_client_wo
 
 #[test]
 fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
-    use raw_vmm::{Answer, RawVmm};
+    use umdev::testing::{Answer, DeviceAccess, FdlessMemory, RawClient, Vmm};
     const FDLESS: u64 = 0x8000_0000;
     const SIZE: u64 = 64 * 1024;
     let gpu = Gpu::new(GpuConfig { fb_size: 64 * 1024 }).unwrap();
-    let served = Served::start(
-        gpu,
-        DmaConfig::default(),
-        tempfile::tempdir().unwrap(),
-        |_| {},
-    );
+    let served = TestServer::builder_pci(gpu).unwrap().start().unwrap();
     // Small transfers: a 64 KiB device write becomes 16 DMA_WRITE round trips.
     let caps = r#"{"capabilities":{"max_msg_fds":16,"max_data_xfer_size":4096,"pgsizes":4096,"max_dma_maps":65535}}"#;
-    let (c, _) = common::RawClient::negotiated(&served.path, caps);
-    let mut vmm = RawVmm::new(c, FDLESS, SIZE as usize);
-    vmm.answer = Answer::Honest;
+    let (c, _) = RawClient::negotiated(served.path(), caps);
+    let mut vmm = Vmm::from_client(c).with_fdless(FdlessMemory::new(FDLESS, SIZE as usize));
+    vmm.set_answer(Answer::Honest);
     // Memory space + Bus Master: the test's "device thread" DMAs through the device's handle.
-    vmm.write(region_index::CONFIG, 4, &6u16.to_le_bytes());
+    vmm.write_bytes(region_index::CONFIG, 4, &6u16.to_le_bytes())
+        .unwrap();
     for round in 0..6 {
-        assert_eq!(vmm.map(FDLESS, SIZE, None), 0);
-        let h = served.dma.handle();
+        vmm.dma_map_fdless(FDLESS, SIZE).unwrap();
+        let h = served.dma().handle();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let device = {
             let stop = stop.clone();
@@ -459,12 +440,12 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
         };
         // Let the device's transfers get going, then unmap in the middle of them.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while vmm.requests < 8 * (round + 1) {
+        while vmm.requests() < 8 * (round + 1) {
             assert!(
                 std::time::Instant::now() < deadline,
                 "device thread never ran"
             );
-            vmm.read32(region_index::BAR0, 0);
+            vmm.read32(region_index::BAR0, 0).unwrap();
         }
         let p = umdev::protocol::dma_map::DmaUnmapRequest {
             argsz: 24,
@@ -473,12 +454,14 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
             size: SIZE,
         }
         .encode();
-        let m = vmm.call(umdev::protocol::Command::DmaUnmap, &p, &[]);
+        let m = vmm
+            .call(umdev::protocol::Command::DmaUnmap, &p, &[])
+            .unwrap();
         assert!(!m.header.is_error(), "unmap errno {}", m.header.error);
-        let at_reply = vmm.log.len();
+        let at_reply = vmm.log().len();
         // Keep serving for a while: the device must not ask for the unmapped range again.
         for _ in 0..50 {
-            vmm.read32(region_index::BAR0, 0);
+            vmm.read32(region_index::BAR0, 0).unwrap();
         }
         stop.store(true, std::sync::atomic::Ordering::SeqCst);
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -487,12 +470,12 @@ fn test_unmap_race_fdless_no_dma_request_for_range_after_unmap_reply() {
                 std::time::Instant::now() < deadline,
                 "device thread did not stop"
             );
-            vmm.read32(region_index::BAR0, 0);
+            vmm.read32(region_index::BAR0, 0).unwrap();
         }
         device.join().unwrap();
-        let late: Vec<_> = vmm.log[at_reply..]
+        let late: Vec<_> = vmm.log()[at_reply..]
             .iter()
-            .filter(|&&(_, iova, _)| (FDLESS..FDLESS + SIZE).contains(&iova))
+            .filter(|r| (FDLESS..FDLESS + SIZE).contains(&r.iova))
             .collect();
         assert!(
             late.is_empty(),

@@ -6,13 +6,14 @@ use common::test_device::*;
 use common::TestServer;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
+use umdev::testing::{memfd, RawClient};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::EventFd;
 
 #[test]
 fn test_client_connect_negotiates_and_reads_device_info() {
     let ts = TestServer::start();
-    let client = Client::new(&ts.path).expect("connect");
+    let client = Client::new(ts.path()).expect("connect");
     let bar0 = client.region(0).expect("region 0");
     assert_eq!(bar0.size, BAR0_SIZE);
     let cfg = client.region(7).expect("config region");
@@ -23,7 +24,7 @@ fn test_client_connect_negotiates_and_reads_device_info() {
 #[test]
 fn test_client_region_read_write_roundtrip() {
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
+    let mut client = Client::new(ts.path()).unwrap();
     client.region_write(0, 0x40, &[1, 2, 3, 4]).unwrap();
     let mut buf = [0u8; 4];
     client.region_read(0, 0x40, &mut buf).unwrap();
@@ -37,7 +38,7 @@ fn test_client_region_read_write_roundtrip() {
 #[test]
 fn test_client_region_info_sparse_mmap_fd_is_mappable() {
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
+    let mut client = Client::new(ts.path()).unwrap();
     let bar2 = client.region(2).expect("region 2");
     assert_eq!(bar2.size, BAR2_SIZE);
     assert_ne!(bar2.flags & umdev::device::REGION_FLAG_MMAP, 0);
@@ -80,7 +81,7 @@ fn test_client_region_info_sparse_mmap_fd_is_mappable() {
 #[test]
 fn test_client_irq_info_reports_counts_and_flags() {
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
+    let mut client = Client::new(ts.path()).unwrap();
     let msi = client.get_irq_info(1).unwrap();
     assert_eq!((msi.index, msi.count), (1, 2));
     assert_ne!(msi.flags & umdev::device::IRQ_INFO_EVENTFD, 0);
@@ -92,7 +93,7 @@ fn test_client_irq_info_reports_counts_and_flags() {
 fn test_client_set_irqs_eventfd_device_trigger_observed() {
     use vfio_bindings::bindings::vfio::{VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD};
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
+    let mut client = Client::new(ts.path()).unwrap();
     let e0 = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     let e1 = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     client
@@ -118,13 +119,13 @@ fn test_client_set_irqs_eventfd_device_trigger_observed() {
 #[test]
 fn test_client_dma_map_memfd_device_reads_then_unmap_notifies() {
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
-    let mem = common::memfd(0x10000);
+    let mut client = Client::new(ts.path()).unwrap();
+    let mem = memfd(0x10000).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&mem, b"guest data!", 0x100).unwrap();
     client
         .dma_map(0, 0x10_0000, 0x10000, mem.as_raw_fd())
         .unwrap();
-    assert_eq!(ts.dma.stats().maps, 1);
+    assert_eq!(ts.dma().stats().maps, 1);
     let handle = ts.state().dma.clone().unwrap();
     let mut buf = [0u8; 11];
     handle.read(0x10_0100, &mut buf).unwrap();
@@ -135,14 +136,14 @@ fn test_client_dma_map_memfd_device_reads_then_unmap_notifies() {
     assert_eq!(&back, b"dev");
     client.dma_unmap(0x10_0000, 0x10000).unwrap();
     assert_eq!(ts.state().unmaps, vec![(0x10_0000, 0x10000)]);
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     assert!(handle.read(0x10_0100, &mut buf).is_err());
 }
 
 #[test]
 fn test_client_reset_reaches_device() {
     let ts = TestServer::start();
-    let mut client = Client::new(&ts.path).unwrap();
+    let mut client = Client::new(ts.path()).unwrap();
     client.region_write(0, 0x10, &[9]).unwrap();
     client.reset().unwrap();
     assert_eq!(ts.state().resets, 1);
@@ -155,8 +156,8 @@ fn test_client_reset_reaches_device() {
 fn test_client_reconnect_after_disconnect_keeps_device_state() {
     let ts = TestServer::start();
     {
-        let mut client = Client::new(&ts.path).unwrap();
-        let mem = common::memfd(0x4000);
+        let mut client = Client::new(ts.path()).unwrap();
+        let mem = memfd(0x4000).unwrap();
         client
             .dma_map(0, 0x20_0000, 0x4000, mem.as_raw_fd())
             .unwrap();
@@ -164,8 +165,8 @@ fn test_client_reconnect_after_disconnect_keeps_device_state() {
         client.shutdown().unwrap();
     }
     ts.wait_for("disconnect", |s| s.disconnects == 1);
-    assert_eq!(ts.dma.stats().maps, 0, "maps released at disconnect");
-    let mut client = Client::new(&ts.path).expect("reconnect");
+    assert_eq!(ts.dma().stats().maps, 0, "maps released at disconnect");
+    let mut client = Client::new(ts.path()).expect("reconnect");
     let mut b = [0u8; 1];
     client.region_read(0, 0x20, &mut b).unwrap();
     assert_eq!(b, [0xab], "device state survives reconnect");
@@ -175,8 +176,8 @@ fn test_client_reconnect_after_disconnect_keeps_device_state() {
 fn test_client_second_simultaneous_client_refused_first_unaffected() {
     use std::io::Read;
     let ts = TestServer::start();
-    let mut first = Client::new(&ts.path).unwrap();
-    let mut second = common::RawClient::connect(&ts.path);
+    let mut first = Client::new(ts.path()).unwrap();
+    let mut second = RawClient::connect(ts.path());
     let errno = second.expect_error(
         umdev::protocol::Command::Version as u16,
         b"\0\0\0\0{}\0",
@@ -184,11 +185,15 @@ fn test_client_second_simultaneous_client_refused_first_unaffected() {
     );
     assert_eq!(errno, libc::EBUSY as u32);
     second
-        .stream
+        .stream()
         .set_read_timeout(Some(Duration::from_secs(3)))
         .unwrap();
     let mut b = [0u8; 1];
-    assert_eq!(second.stream.read(&mut b).unwrap(), 0, "then it is closed");
+    assert_eq!(
+        second.stream().read(&mut b).unwrap(),
+        0,
+        "then it is closed"
+    );
     let mut buf = [0u8; 4];
     first.region_read(0, 0, &mut buf).unwrap();
 }

@@ -8,7 +8,6 @@ mod hostile;
 
 use std::os::fd::{AsRawFd, RawFd};
 
-use common::raw_client::RawClient;
 use common::TestServer;
 use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::feature::encode_feature;
@@ -16,6 +15,7 @@ use umdev::protocol::region_access::{encode_write_multi, RegionAccess, WriteOne}
 use umdev::protocol::set_irqs::encode_set_irqs;
 use umdev::protocol::wire::Put;
 use umdev::protocol::{Command, Header};
+use umdev::testing::{memfd, RawClient};
 use vfio_bindings::bindings::vfio::*;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -80,7 +80,7 @@ fn test_malformed_version_variants_rejected_and_connection_closed() {
         ("no capabilities", Command::Version, &[0, 0, 0, 0], &[], 0),
     ];
     for (what, cmd, payload, fds, errno) in cases {
-        let mut c = RawClient::connect(&ts.path);
+        let mut c = RawClient::connect(ts.path());
         if errno == 0 {
             // The baseline: a minimal VERSION is accepted and the connection stays up.
             let r = c.call(cmd as u16, 0, payload, fds);
@@ -90,12 +90,12 @@ fn test_malformed_version_variants_rejected_and_connection_closed() {
         }
         assert_eq!(c.expect_error(cmd as u16, payload, fds), errno, "{what}");
         assert!(
-            hostile::closed_by_peer(&c.stream),
+            hostile::closed_by_peer(c.stream()),
             "{what}: connection kept open after a refused negotiation"
         );
     }
     // A good VERSION, then a second one: refused, and the negotiated session goes on.
-    let mut c = RawClient::connect(&ts.path);
+    let mut c = RawClient::connect(ts.path());
     let r = c.call(
         Command::Version as u16,
         0,
@@ -113,8 +113,8 @@ fn test_malformed_version_variants_rejected_and_connection_closed() {
 #[test]
 fn test_malformed_dma_map_variants_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x4000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x4000).unwrap();
     let fd: RawFd = mem.as_raw_fd();
     let good = DmaMapRequest {
         flags: 3,
@@ -164,14 +164,14 @@ fn test_malformed_dma_map_variants_rejected() {
         libc::EEXIST as u32,
         "overlap"
     );
-    assert_eq!(ts.dma.stats().maps, 1);
+    assert_eq!(ts.dma().stats().maps, 1);
     usable(&mut c);
 }
 
 #[test]
 fn test_malformed_dma_unmap_variants_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let cmd = Command::DmaUnmap as u16;
     let unmap = |flags: u32, iova: u64, size: u64| {
         let mut p = u32s(&[24, flags]);
@@ -214,7 +214,7 @@ fn test_malformed_dma_unmap_variants_rejected() {
 #[test]
 fn test_malformed_device_info_and_irq_info_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let info = Command::DeviceGetInfo as u16;
     assert_eq!(
         c.expect_error(info, &u32s(&[8, 0, 0, 0]), &[]),
@@ -246,7 +246,7 @@ fn test_malformed_device_info_and_irq_info_rejected() {
 #[test]
 fn test_malformed_region_info_and_argsz_negotiation() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let cmd = Command::DeviceGetRegionInfo as u16;
     let req = |argsz: u32, index: u32| {
         let mut p = u32s(&[argsz, 0, index, 0]);
@@ -274,7 +274,7 @@ fn test_malformed_region_info_and_argsz_negotiation() {
 #[test]
 fn test_malformed_region_io_fds_rejected_valid_gets_zero_fds() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let cmd = Command::DeviceGetRegionIoFds as u16;
     let r = c.call(cmd, 0, &u32s(&[16, 0, 0, 0]), &[]);
     assert!(!r.header.is_error());
@@ -301,7 +301,7 @@ fn test_malformed_region_io_fds_rejected_valid_gets_zero_fds() {
 #[test]
 fn test_malformed_set_irqs_variants_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let cmd = Command::DeviceSetIrqs as u16;
     let (e0, e1) = (efd(), efd());
     let (f0, f1) = (e0.as_raw_fd(), e1.as_raw_fd());
@@ -351,7 +351,7 @@ fn test_malformed_set_irqs_variants_rejected() {
 #[test]
 fn test_malformed_region_access_variants_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let read = Command::RegionRead as u16;
     let a = |region, offset, count| RegionAccess {
         offset,
@@ -409,7 +409,7 @@ fn test_malformed_write_multi_variants_rejected() {
     let ts = TestServer::start();
     // Not negotiated: ENOTSUP.
     let caps = "{\"capabilities\":{\"max_msg_fds\":16}}";
-    let (mut c, _) = RawClient::negotiated(&ts.path, caps);
+    let (mut c, _) = RawClient::negotiated(ts.path(), caps);
     let cmd = Command::RegionWriteMulti as u16;
     let w = |region, offset, count| WriteOne {
         access: RegionAccess {
@@ -423,7 +423,7 @@ fn test_malformed_write_multi_variants_rejected() {
     assert_eq!(c.expect_error(cmd, &good, &[]), libc::ENOTSUP as u32);
     drop(c);
     ts.wait_for("disconnect", |s| s.disconnects == 1);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     assert_eq!(
         c.expect_error(cmd, &encode_write_multi(&[]), &[]),
         EINVAL,
@@ -451,7 +451,7 @@ fn test_malformed_write_multi_variants_rejected() {
 #[test]
 fn test_malformed_reset_feature_mig_and_direction_rejected() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     assert_eq!(
         c.expect_error(Command::DeviceReset as u16, &[0; 4], &[]),
         EINVAL
@@ -499,7 +499,7 @@ fn test_malformed_reset_feature_mig_and_direction_rejected() {
 #[test]
 fn test_malformed_headers_oversized_drained_and_too_many_fds() {
     let ts = TestServer::start_with(|c| c.max_data_xfer_size = 4096);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     // A message larger than the server accepts: drained, answered E2BIG.
     let big = vec![0u8; 4096 + 64 * 1024 + 16];
     let m = c.call(Command::RegionWrite as u16, 0, &big, &[]);
@@ -522,7 +522,7 @@ fn test_malformed_headers_oversized_drained_and_too_many_fds() {
 #[test]
 fn test_malformed_header_size_below_16_closes_connection() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let h = Header {
         msg_id: 7,
         command: Command::DeviceReset as u16,

@@ -7,13 +7,13 @@ mod common;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use common::raw_client::{GuestMem, Msg, RawClient, DEFAULT_CAPS};
 use common::test_device::*;
 use common::TestServer;
 use umdev::protocol::dma_map::DmaMapRequest;
 use umdev::protocol::region_access::{encode_write_multi, RegionAccess, WriteOne};
 use umdev::protocol::version::Version;
 use umdev::protocol::{Command, FLAGS_NO_REPLY};
+use umdev::testing::{memfd, FdlessMemory, Msg, RawClient, Vmm, DEFAULT_CAPS};
 
 const QEMU_CAPS: &str = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":1048576,\"pgsizes\":4096,\"max_dma_maps\":65535,\"migration\":{\"pgsize\":4096,\"max_bitmap_size\":268435456},\"write_multiple\":true}}";
 
@@ -32,17 +32,15 @@ fn map_fdless(c: &mut RawClient, iova: u64, size: u64) {
 /// DMA on the connection thread: serve its one request while sending nothing else (a
 /// command that expects a reply would make the request fail fast, as would a write that
 /// expects one: tests/remote_cancel.rs), then a round trip.
-fn write_reg_posted_serving(c: &mut RawClient, off: u64, data: &[u8], mem: &mut GuestMem) {
-    c.region_write(0, off, data, FLAGS_NO_REPLY);
-    let m = c.recv();
-    assert!(
-        RawClient::serve_on(&c.stream, &m, mem),
-        "expected a DMA request"
-    );
-    c.region_read(0, REG_DMA_STATUS, 4);
+fn write_reg_posted_serving(vmm: &mut Vmm, off: u64, data: &[u8]) {
+    vmm.client().region_write(0, off, data, FLAGS_NO_REPLY);
+    let m = vmm.client().recv();
+    assert!(vmm.serve(&m).unwrap(), "expected a DMA request");
+    vmm.client().region_read(0, REG_DMA_STATUS, 4);
 }
 
-fn write_reg(c: &mut RawClient, off: u64, data: &[u8], mem: &mut GuestMem) -> Msg {
+/// A REGION_WRITE whose reply is awaited while the VMM serves DMA requests.
+fn write_reg(vmm: &mut Vmm, off: u64, data: &[u8]) -> Msg {
     let a = RegionAccess {
         offset: off,
         region: 0,
@@ -50,13 +48,20 @@ fn write_reg(c: &mut RawClient, off: u64, data: &[u8], mem: &mut GuestMem) -> Ms
     };
     let mut p = a.encode();
     p.extend_from_slice(data);
-    c.call_serving(Command::RegionWrite as u16, 0, &p, mem)
+    vmm.call(Command::RegionWrite, &p, &[]).unwrap()
+}
+
+/// A VMM on `c` serving fd-less memory at `base` (holding `offset % 251`).
+fn serving(c: RawClient, base: u64, size: usize) -> Vmm {
+    let mut vmm = Vmm::from_client(c);
+    vmm.set_fdless(FdlessMemory::with_pattern(base, size));
+    vmm
 }
 
 #[test]
 fn test_raw_version_qemu_proposal_reply_fits_request_buffer() {
     let ts = TestServer::start();
-    let (_c, reply) = RawClient::negotiated(&ts.path, QEMU_CAPS);
+    let (_c, reply) = RawClient::negotiated(ts.path(), QEMU_CAPS);
     let request_size = 16 + 4 + QEMU_CAPS.len() + 1;
     assert!(reply.header.msg_size as usize <= request_size);
     let v = Version::decode(&reply.payload).unwrap();
@@ -71,7 +76,7 @@ fn test_raw_version_qemu_proposal_reply_fits_request_buffer() {
 #[test]
 fn test_raw_posted_write_gets_no_reply_and_is_ordered_before_read() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     for i in 0..8u8 {
         c.region_write(0, 0x80 + i as u64, &[i + 1], FLAGS_NO_REPLY);
     }
@@ -82,7 +87,7 @@ fn test_raw_posted_write_gets_no_reply_and_is_ordered_before_read() {
 #[test]
 fn test_raw_posted_write_error_sends_nothing() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     c.region_write(0, BAR0_SIZE - 2, &[1, 2, 3, 4], FLAGS_NO_REPLY);
     assert_eq!(c.region_read(0, 0, 4), vec![0; 4]);
 }
@@ -90,7 +95,7 @@ fn test_raw_posted_write_error_sends_nothing() {
 #[test]
 fn test_raw_write_multi_applies_every_write() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let w = |offset, count, v: u8| WriteOne {
         access: RegionAccess {
             offset,
@@ -112,41 +117,41 @@ fn test_raw_write_multi_applies_every_write() {
 #[test]
 fn test_raw_fdless_dma_device_read_on_connection_thread_served_by_client() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    let mut c = RawClient::new_default(ts.path());
     map_fdless(&mut c, 0x40_0000, 0x2000);
-    write_reg(&mut c, REG_DMA_IOVA, &0x40_0010u64.to_le_bytes(), &mut mem);
-    write_reg(&mut c, REG_DMA_LEN, &32u32.to_le_bytes(), &mut mem);
-    write_reg_posted_serving(&mut c, REG_DMA_OP, &1u32.to_le_bytes(), &mut mem);
-    assert_eq!(mem.reads, 1, "one DMA_READ served");
-    assert_eq!(c.region_read(0, REG_DMA_STATUS, 4), vec![0; 4]);
+    let mut vmm = serving(c, 0x40_0000, 0x2000);
+    write_reg(&mut vmm, REG_DMA_IOVA, &0x40_0010u64.to_le_bytes());
+    write_reg(&mut vmm, REG_DMA_LEN, &32u32.to_le_bytes());
+    write_reg_posted_serving(&mut vmm, REG_DMA_OP, &1u32.to_le_bytes());
+    assert_eq!(vmm.fdless().reads(), 1, "one DMA_READ served");
+    assert_eq!(vmm.client().region_read(0, REG_DMA_STATUS, 4), vec![0; 4]);
     assert_eq!(
-        c.region_read(0, DMA_SCRATCH, 32),
-        mem.bytes[0x10..0x30].to_vec()
+        vmm.client().region_read(0, DMA_SCRATCH, 32),
+        vmm.mem()[0x10..0x30].to_vec()
     );
 }
 
 #[test]
 fn test_raw_fdless_dma_device_write_served_by_client() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    let mut c = RawClient::new_default(ts.path());
     map_fdless(&mut c, 0x40_0000, 0x2000);
-    write_reg(&mut c, DMA_SCRATCH, b"written by the device", &mut mem);
-    write_reg(&mut c, REG_DMA_IOVA, &0x40_1000u64.to_le_bytes(), &mut mem);
-    write_reg(&mut c, REG_DMA_LEN, &21u32.to_le_bytes(), &mut mem);
-    write_reg_posted_serving(&mut c, REG_DMA_OP, &2u32.to_le_bytes(), &mut mem);
-    assert_eq!(mem.writes, 1);
-    assert_eq!(&mem.bytes[0x1000..0x1015], b"written by the device");
+    let mut vmm = serving(c, 0x40_0000, 0x2000);
+    write_reg(&mut vmm, DMA_SCRATCH, b"written by the device");
+    write_reg(&mut vmm, REG_DMA_IOVA, &0x40_1000u64.to_le_bytes());
+    write_reg(&mut vmm, REG_DMA_LEN, &21u32.to_le_bytes());
+    write_reg_posted_serving(&mut vmm, REG_DMA_OP, &2u32.to_le_bytes());
+    assert_eq!(vmm.fdless().writes(), 1);
+    assert_eq!(&vmm.mem()[0x1000..0x1015], b"written by the device");
 }
 
 #[test]
 fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
     let ts = TestServer::start();
     let caps = "{\"capabilities\":{\"max_msg_fds\":16,\"max_data_xfer_size\":4096}}";
-    let (mut c, _) = RawClient::negotiated(&ts.path, caps);
-    let mut mem = GuestMem::new(0x80_0000, 0x4000);
+    let (mut c, _) = RawClient::negotiated(ts.path(), caps);
     map_fdless(&mut c, 0x80_0000, 0x4000);
+    let mut vmm = serving(c, 0x80_0000, 0x4000);
     let handle = ts.state().dma.clone().unwrap();
     let worker = std::thread::spawn(move || {
         let mut buf = vec![0u8; 10_000];
@@ -158,18 +163,18 @@ fn test_raw_fdless_dma_from_worker_thread_while_client_talks() {
         region: 7,
         count: 4,
     };
-    let r = c.call_serving(Command::RegionRead as u16, 0, &a.encode(), &mut mem);
+    let r = vmm.call(Command::RegionRead, &a.encode(), &[]).unwrap();
     assert_eq!(&r.payload[16..], &[0, 1, 2, 3]);
-    while mem.reads < 3 {
-        let m = c.recv();
-        assert!(
-            RawClient::serve_on(&c.stream, &m, &mut mem),
-            "unexpected message"
-        );
+    while vmm.fdless().reads() < 3 {
+        let m = vmm.client().recv();
+        assert!(vmm.serve(&m).unwrap(), "unexpected message");
     }
     let buf = worker.join().unwrap().expect("worker DMA");
-    assert_eq!(buf, mem.bytes[0x100..0x100 + 10_000].to_vec());
-    assert!(mem.largest <= 4096, "transfers split to max_data_xfer_size");
+    assert_eq!(buf, vmm.mem()[0x100..0x100 + 10_000].to_vec());
+    assert!(
+        vmm.fdless().largest() <= 4096,
+        "transfers split to max_data_xfer_size"
+    );
 }
 
 #[test]
@@ -177,36 +182,30 @@ fn test_raw_fdless_dma_read_pieces_stay_under_qemu_socket_buffer_despite_1mib_xf
     let ts = TestServer::start();
     // QEMU offers 1 MiB transfers, but cuts a reply larger than its socket send buffer
     // (~208 KiB): DMA_READs must ask for at most 64 KiB each.
-    let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);
-    let mut mem = GuestMem::new(0x100_0000, 0x60000);
-    mem.qemu_layout = true;
-    for (i, b) in mem.bytes.iter_mut().enumerate() {
-        *b = (i % 251) as u8;
-    }
+    let (mut c, _) = RawClient::negotiated(ts.path(), QEMU_CAPS);
+    let mut mem = FdlessMemory::with_pattern(0x100_0000, 0x60000);
+    mem.set_layout(umdev::protocol::dma_rw::DmaRwLayout::Qemu);
     map_fdless(&mut c, 0x100_0000, 0x60000);
     let handle = ts.state().dma.clone().unwrap();
     let worker = std::thread::spawn(move || {
         let mut buf = vec![0u8; 300 * 1024];
         handle.read(0x100_0010, &mut buf).map(|_| buf)
     });
-    while mem.reads < 5 {
+    while mem.reads() < 5 {
         let m = c.recv();
-        assert!(
-            RawClient::serve_on(&c.stream, &m, &mut mem),
-            "unexpected message"
-        );
+        assert!(mem.serve(c.stream(), &m).unwrap(), "unexpected message");
     }
     let buf = worker.join().unwrap().expect("worker DMA");
-    assert_eq!(buf, mem.bytes[0x10..0x10 + 300 * 1024].to_vec());
-    assert_eq!(mem.largest, 64 * 1024, "largest DMA_READ piece");
+    assert_eq!(buf, mem.bytes()[0x10..0x10 + 300 * 1024].to_vec());
+    assert_eq!(mem.largest(), 64 * 1024, "largest DMA_READ piece");
 }
 
 #[test]
 fn test_raw_fdless_dma_qemu_client_gets_qemu_layout() {
     let ts = TestServer::start();
-    let (mut c, _) = RawClient::negotiated(&ts.path, QEMU_CAPS);
-    let mut mem = GuestMem::new(0x40_0000, 0x2000);
-    mem.qemu_layout = true;
+    let (mut c, _) = RawClient::negotiated(ts.path(), QEMU_CAPS);
+    let mut mem = FdlessMemory::with_pattern(0x40_0000, 0x2000);
+    mem.set_layout(umdev::protocol::dma_rw::DmaRwLayout::Qemu);
     map_fdless(&mut c, 0x40_0000, 0x2000);
     let handle = ts.state().dma.clone().unwrap();
     let worker = std::thread::spawn(move || {
@@ -214,27 +213,25 @@ fn test_raw_fdless_dma_qemu_client_gets_qemu_layout() {
         let mut buf = [0u8; 24];
         handle.read(0x40_00f8, &mut buf).map(|_| buf)
     });
-    while mem.reads < 1 {
+    while mem.reads() < 1 {
         let m = c.recv();
-        assert!(
-            RawClient::serve_on(&c.stream, &m, &mut mem),
-            "unexpected message"
-        );
+        assert!(mem.serve(c.stream(), &m).unwrap(), "unexpected message");
     }
     let buf = worker.join().unwrap().expect("worker DMA");
-    assert_eq!(&mem.bytes[0x100..0x10b], b"qemu layout");
+    assert_eq!(&mem.bytes()[0x100..0x10b], b"qemu layout");
     assert_eq!(&buf[8..19], b"qemu layout");
-    assert_eq!(buf[..8].to_vec(), mem.bytes[0xf8..0x100].to_vec());
+    assert_eq!(buf[..8].to_vec(), mem.bytes()[0xf8..0x100].to_vec());
 }
 
 #[test]
 fn test_raw_fdless_dma_client_error_reaches_device() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     map_fdless(&mut c, 0x40_0000, 0x2000);
-    let mut mem = GuestMem::new(0x40_0000, 0x2000);
-    write_reg(&mut c, REG_DMA_IOVA, &0x40_0000u64.to_le_bytes(), &mut mem);
-    write_reg(&mut c, REG_DMA_LEN, &8u32.to_le_bytes(), &mut mem);
+    let mut vmm = serving(c, 0x40_0000, 0x2000);
+    write_reg(&mut vmm, REG_DMA_IOVA, &0x40_0000u64.to_le_bytes());
+    write_reg(&mut vmm, REG_DMA_LEN, &8u32.to_le_bytes());
+    let c = vmm.client();
     let a = RegionAccess {
         offset: REG_DMA_OP,
         region: 0,
@@ -257,7 +254,7 @@ fn test_raw_fdless_dma_client_error_reaches_device() {
 #[test]
 fn test_raw_fdless_dma_unanswered_times_out() {
     let ts = TestServer::start_with(|c| c.remote_dma_timeout = Duration::from_millis(200));
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     map_fdless(&mut c, 0x40_0000, 0x2000);
     let handle = ts.state().dma.clone().unwrap();
     let t = std::time::Instant::now();
@@ -274,7 +271,7 @@ fn test_raw_fdless_dma_unanswered_times_out() {
 #[test]
 fn test_raw_fdless_dma_pending_fails_on_disconnect() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     map_fdless(&mut c, 0x40_0000, 0x2000);
     let handle = ts.state().dma.clone().unwrap();
     let worker = std::thread::spawn(move || {
@@ -296,14 +293,14 @@ fn test_raw_fdless_dma_pending_fails_on_disconnect() {
 fn test_raw_twin_socket_carries_server_requests() {
     let ts = TestServer::start();
     let caps = "{\"capabilities\":{\"max_msg_fds\":16,\"twin_socket\":{\"supported\":true}}}";
-    let (mut c, reply) = RawClient::negotiated(&ts.path, caps);
+    let (mut c, reply) = RawClient::negotiated(ts.path(), caps);
     let v = Version::decode(&reply.payload).unwrap();
     assert!(v.caps.twin_socket);
     assert_eq!(v.caps.twin_socket_fd_index, Some(0));
     assert_eq!(reply.fds.len(), 1);
     let twin = std::os::unix::net::UnixStream::from(reply.fds.into_iter().next().unwrap());
     twin.set_read_timeout(Some(Duration::from_secs(4))).unwrap();
-    let mut mem = GuestMem::new(0x40_0000, 0x2000);
+    let mut mem = FdlessMemory::with_pattern(0x40_0000, 0x2000);
     map_fdless(&mut c, 0x40_0000, 0x2000);
     let handle = ts.state().dma.clone().unwrap();
     let worker = std::thread::spawn(move || {
@@ -311,10 +308,10 @@ fn test_raw_twin_socket_carries_server_requests() {
         handle.read(0x40_0020, &mut buf).map(|_| buf)
     });
     let m = RawClient::recv_on(&twin);
-    assert!(RawClient::serve_on(&twin, &m, &mut mem));
+    assert!(mem.serve(&twin, &m).unwrap());
     assert_eq!(
         worker.join().unwrap().unwrap().to_vec(),
-        mem.bytes[0x20..0x30].to_vec()
+        mem.bytes()[0x20..0x30].to_vec()
     );
     // The main socket saw nothing but its own traffic.
     assert_eq!(c.region_read(0, 0, 4), vec![0; 4]);
@@ -326,8 +323,8 @@ fn test_raw_dma_logging_reports_device_writes() {
     use umdev::protocol::wire::Put;
     use vfio_bindings::bindings::vfio::*;
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x10000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x10000).unwrap();
     let m = DmaMapRequest {
         flags: 3,
         offset: 0,
@@ -383,19 +380,19 @@ fn test_raw_dma_logging_reports_device_writes() {
 #[test]
 fn test_raw_default_caps_write_multiple_negotiated() {
     let ts = TestServer::start();
-    let (_c, reply) = RawClient::negotiated(&ts.path, DEFAULT_CAPS);
+    let (_c, reply) = RawClient::negotiated(ts.path(), DEFAULT_CAPS);
     assert!(Version::decode(&reply.payload).unwrap().caps.write_multiple);
 }
 
 #[test]
 fn test_raw_device_panic_answers_eio_and_ends_only_that_connection() {
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     let m = c.region_write(0, REG_PANIC, &[1, 0, 0, 0], 0).unwrap();
     assert!(m.header.is_error());
     assert_eq!(m.header.error, libc::EIO as u32);
     ts.wait_for("teardown after the panic", |s| s.disconnects == 1);
-    let mut c = RawClient::new_default(&ts.path);
+    let mut c = RawClient::new_default(ts.path());
     assert_eq!(c.region_read(7, 0, 2), vec![0, 1], "server still serves");
 }
 
@@ -403,8 +400,8 @@ fn test_raw_device_panic_answers_eio_and_ends_only_that_connection() {
 fn test_raw_dma_unmap_flag_all_removes_every_map() {
     use umdev::protocol::wire::Put;
     let ts = TestServer::start();
-    let mut c = RawClient::new_default(&ts.path);
-    let mem = common::memfd(0x4000);
+    let mut c = RawClient::new_default(ts.path());
+    let mem = memfd(0x4000).unwrap();
     for iova in [0x10_0000u64, 0x20_0000] {
         let m = DmaMapRequest {
             flags: 3,
@@ -416,7 +413,7 @@ fn test_raw_dma_unmap_flag_all_removes_every_map() {
         assert!(!r.header.is_error());
     }
     map_fdless(&mut c, 0x30_0000, 0x1000);
-    assert_eq!(ts.dma.stats().maps, 3);
+    assert_eq!(ts.dma().stats().maps, 3);
     // QEMU's unmap_all: flags VFIO_DMA_UNMAP_FLAG_ALL, iova 0, size 0.
     let mut p = Vec::new();
     p.put_u32(24);
@@ -433,6 +430,6 @@ fn test_raw_dma_unmap_flag_all_removes_every_map() {
         (0x9000u64).to_ne_bytes(),
         "size = bytes removed"
     );
-    assert_eq!(ts.dma.stats().maps, 0);
+    assert_eq!(ts.dma().stats().maps, 0);
     assert_eq!(ts.state().unmaps.len(), 3, "device notified for each map");
 }

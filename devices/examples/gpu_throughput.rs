@@ -4,14 +4,15 @@
 //!
 //! `cargo run --release -p umdev-devices --example gpu_throughput`
 
-use std::io;
 use std::time::{Duration, Instant};
 
-use umdev::device::{region_index, Device};
-use umdev::dma::{DmaConfig, DmaMapping, DmaSpace, PinPolicy, Prot};
+use umdev::device::Device;
+use umdev::dma::{DmaConfig, DmaSpace, PinPolicy, Prot};
 use umdev::pci::PciAdapter;
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, RegisterAccess};
+use umdev::testing::GuestMemory;
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
+use umdev_devices::testing::Bar0;
 
 const RAM: u64 = 0x1000_0000;
 const RAM_SIZE: usize = 16 << 20;
@@ -19,26 +20,9 @@ const SURF: u64 = RAM + (1 << 20);
 const W: u32 = 1024;
 const H: u32 = 768;
 
-struct Dev(PciAdapter<Gpu>);
-
-impl RegisterAccess for Dev {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(region_index::BAR0, off, &mut b)
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
-        Ok(u32::from_le_bytes(b))
-    }
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))
-    }
-}
-
 struct Bench {
-    drv: Driver<Dev>,
-    ram: GuestMemfd,
+    drv: Driver<Bar0<PciAdapter<Gpu>>>,
+    ram: GuestMemory,
     space: std::sync::Arc<DmaSpace>,
     fence: u32,
 }
@@ -50,19 +34,13 @@ impl Bench {
             lock_limit_bytes: Some(4 << 20),
             ..DmaConfig::default()
         });
-        let ram = GuestMemfd::new(RAM, RAM_SIZE).unwrap();
+        let ram = GuestMemory::new(RAM, RAM_SIZE).unwrap();
         space
-            .map(DmaMapping {
-                iova: RAM,
-                size: RAM_SIZE as u64,
-                prot: Prot::RW,
-                fd: Some(ram.try_clone_fd().unwrap()),
-                offset: 0,
-            })
+            .map(ram.dma_mapping(RAM, RAM_SIZE as u64, Prot::RW).unwrap())
             .unwrap();
         let mut adapter = PciAdapter::new(Gpu::new(GpuConfig::default()).unwrap()).unwrap();
         Device::attach(&mut adapter, space.handle());
-        let mut drv = Driver::probe(Dev(adapter)).unwrap();
+        let mut drv = Driver::probe(Bar0(adapter)).unwrap();
         drv.set_mode(W, H, W * 4).unwrap();
         drv.setup_ring(RAM, 256 * 1024).unwrap();
         Bench {

@@ -3,3 +3,5 @@
 
 pub mod ccw;
 pub mod gpu;
+#[cfg(feature = "testing")]
+pub mod testing;

@@ -65,7 +65,7 @@ fn gather(rig: &Rig, idaws: &[u64], len: usize) -> Vec<u8> {
 #[test]
 fn test_ccw_direct_contiguous_write_then_read_equal() {
     let mut rig = Rig::new();
-    let mut rng = Rng::new(1);
+    let mut rng = seeded(1);
     let data = rng.bytes(16384);
     rig.guest_write(DATA, &data);
     let st = rig.run(&[CcwWord::write(16384, DATA)], 8);
@@ -84,7 +84,7 @@ fn test_ccw_direct_contiguous_write_then_read_equal() {
 #[test]
 fn test_ccw_ida_contiguous_list_roundtrip_equal() {
     let mut rig = Rig::new();
-    let mut rng = Rng::new(2);
+    let mut rng = seeded(2);
     let len = 20000usize;
     let first = DATA + 0x300; // mid-page start
     let n = driver::idaws_needed(first, len as u32);
@@ -109,7 +109,7 @@ fn test_ccw_ida_contiguous_list_roundtrip_equal() {
 #[test]
 fn test_ccw_ida_scattered_list_roundtrip_equal() {
     let mut rig = Rig::new();
-    let mut rng = Rng::new(3);
+    let mut rng = seeded(3);
     let len = 60000usize;
     let pages = scattered_pages(&mut rng, 16, DATA, 64);
     let wr = driver::idaws_over_pages(&pages, 0x9a8, len as u32).unwrap();
@@ -139,7 +139,7 @@ fn test_ccw_ida_scattered_list_roundtrip_equal() {
 #[test]
 fn test_ccw_mixed_program_chain_data_tic_nop_roundtrip_equal() {
     let mut rig = Rig::new();
-    let mut rng = Rng::new(4);
+    let mut rng = seeded(4);
     // Program 1: WRITE 3000 bytes direct, data-chained to 9000 bytes through a scattered IDAW
     // list, then NOP, then TIC to a final NOP. Program 2: NOP, TIC to a READ of the same
     // 12000 bytes split the other way (7000 scattered IDA, data-chained to 5000 direct).
@@ -193,7 +193,7 @@ fn test_ccw_mixed_program_chain_data_tic_nop_roundtrip_equal() {
 #[test]
 fn test_ccw_random_programs_match_image_model() {
     let mut rig = Rig::new();
-    let mut rng = Rng::new(5);
+    let mut rng = seeded(5);
     let cap = (CAPACITY_BLOCKS * 512) as usize;
     let mut model = vec![0u8; cap];
     for round in 0..12 {
@@ -245,7 +245,7 @@ fn test_ccw_random_programs_match_image_model() {
 
 #[test]
 fn test_ccw_data_persists_in_image_after_new_device() {
-    let mut rng = Rng::new(6);
+    let mut rng = seeded(6);
     let data = rng.bytes(8192);
     let rig = {
         let mut rig = Rig::new();
@@ -304,7 +304,7 @@ fn test_ccw_lock_policy_roundtrip_leaves_no_locked_pages() {
         lock_limit: Some(1 << 20),
         intx: false,
     });
-    let mut rng = Rng::new(7);
+    let mut rng = seeded(7);
     let data = rng.bytes(32768);
     rig.guest_write(DATA, &data);
     let pages = scattered_pages(&mut rng, 9, DATA + 16 * PAGE, 32);
@@ -345,7 +345,7 @@ fn test_ccw_populate_policy_roundtrip_equal() {
         lock_limit: None,
         intx: false,
     });
-    let data = Rng::new(8).bytes(5000);
+    let data = seeded(8).bytes(5000);
     rig.guest_write(DATA + 0x10, &data);
     let st = rig.run(&[CcwWord::write(5000, DATA + 0x10)], 3);
     assert!(st.is_ok(), "{st:?}");
@@ -402,7 +402,7 @@ fn test_ccw_sense_short_count_incorrect_length_unless_sli() {
 #[test]
 fn test_ccw_write_from_read_only_mapping_ok() {
     let mut rig = Rig::new();
-    let data = Rng::new(9).bytes(4096);
+    let data = seeded(9).bytes(4096);
     rig.guest_write(ROM, &data);
     let st = rig.run(&[CcwWord::write(4096, ROM)], 5);
     assert!(st.is_ok(), "{st:?}");
@@ -413,7 +413,7 @@ fn test_ccw_write_from_read_only_mapping_ok() {
 #[test]
 fn test_ccw_skip_read_advances_without_storing() {
     let mut rig = Rig::new();
-    let data = Rng::new(10).bytes(1024);
+    let data = seeded(10).bytes(1024);
     rig.guest_write(DATA, &data);
     assert!(rig.run(&[CcwWord::write(1024, DATA)], 0).is_ok());
     rig.guest_write(DATA + 0x4000, &[0xaa; 512]);

@@ -6,10 +6,8 @@ mod gpu_common;
 use std::time::Duration;
 
 use gpu_common::*;
-use umdev::device::irq_index;
 use umdev::dma::PinPolicy;
 use umdev_devices::gpu::commands::{header, OP_FILL_RECT, OP_NOP};
-use umdev_devices::gpu::driver::GuestRam;
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::Command;
@@ -26,8 +24,7 @@ const GOOD_FILL: Command = Command::FillRect {
 /// error must be `code` at ring offset `info`, the interrupt must fire, and the good fill
 /// must still be executed.
 fn expect_command_error(rig: &mut Rig, bad: &[Command], code: u32, info: u32) {
-    let efd = rig.irq_eventfd(irq_index::MSIX);
-    rig.enable_msix();
+    let efd = rig.enable_msix();
     rig.drv.enable_irqs(IRQ_ERROR).unwrap();
     let mut cmds = bad.to_vec();
     cmds.push(GOOD_FILL);

@@ -10,7 +10,6 @@ use proptest::prelude::*;
 use umdev::device::{region_index, Device};
 use umdev::dma::PinPolicy;
 use umdev_devices::gpu::commands::header;
-use umdev_devices::gpu::driver::GuestRam;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::Command;
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 use gpu_common::*;
 use umdev::device::{irq_index, Device};
 use umdev::dma::PinPolicy;
-use umdev_devices::gpu::driver::GuestRam;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::Command;
 
@@ -30,11 +29,11 @@ fn draw_scene(rig: &mut Rig) -> Model {
     let mut m = Model::new(W, H);
     // Scattered surface: 100×50, stride 512 → 25,600 bytes = 7 GTT pages.
     let scattered = scattered_pages();
-    write_surface(&mut rig.ram, &scattered, 512, 100, 50);
+    write_surface(&rig.ram, &scattered, 512, 100, 50);
     rig.map_gtt(10, &scattered, false);
     // Contiguous surface: 64×64, stride 256 → 4 GTT pages.
     let contiguous = contiguous_pages();
-    write_surface(&mut rig.ram, &contiguous, 256, 64, 64);
+    write_surface(&rig.ram, &contiguous, 256, 64, 64);
     rig.map_gtt(100, &contiguous, false);
 
     let cmds = [

@@ -8,26 +8,22 @@
 //! the old memory while the new DMA_MAP failed with EEXIST.
 
 mod gpu_common;
-#[allow(dead_code)]
-#[path = "../../tests/common/raw_client.rs"]
-mod raw_client;
 
-use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use gpu_common::{pattern, write_surface, RAM_BASE, RAM_SIZE, RING_GPA, RING_SIZE, SURFACE_GPA};
-use raw_client::RawClient;
 use umdev::device::region_index;
 use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
-use umdev::protocol::dma_map::{DmaMapRequest, DmaUnmapRequest};
+use umdev::protocol::dma_map::DmaUnmapRequest;
 use umdev::protocol::Command as Cmd;
-use umdev::server::{RunningServer, Server, ServerConfig};
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, GuestRam, RegisterAccess};
+use umdev::testing::{DeviceAccess, GuestMemory, RawClient, TestServer, Vmm};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::error::*;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
+use umdev_devices::testing::Bar0;
 
 /// The surface area is mapped as two 1 MiB maps (as a vIOMMU guest maps it piecewise).
 const SURF_MAP: u64 = 0x10_0000;
@@ -36,63 +32,37 @@ const SW: u32 = 16;
 const SH: u32 = 8;
 const STRIDE: u32 = 4096;
 
-/// BAR0 through the socket.
-struct SocketRegs(RawClient);
-
-impl RegisterAccess for SocketRegs {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let b = self.0.region_read(region_index::BAR0, off, 4);
-        Ok(u32::from_le_bytes(b.try_into().unwrap()))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        let r = self
-            .0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes(), 0)
-            .expect("a reply");
-        if r.header.is_error() {
-            return Err(io::Error::from_raw_os_error(r.header.error as i32));
-        }
-        Ok(())
-    }
-}
-
 struct Vm {
-    drv: Driver<SocketRegs>,
+    drv: Driver<Bar0<Vmm>>,
     dma: Arc<DmaSpace>,
-    ram: GuestMemfd,
+    ram: GuestMemory,
     fence: u32,
-    _server: RunningServer,
-    _dir: tempfile::TempDir,
+    _server: TestServer<PciAdapter<Gpu>>,
 }
 
 impl Vm {
     fn new() -> Vm {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("gpu.sock");
-        let dma = DmaSpace::new(DmaConfig {
-            policy: PinPolicy::Lock,
-            lock_limit_bytes: Some(2 << 20),
-            ..DmaConfig::default()
-        });
-        let gpu = PciAdapter::new(Gpu::new(GpuConfig::default()).unwrap()).unwrap();
-        let server = Server::new(ServerConfig::new(&path), Box::new(gpu), dma.clone())
-            .spawn()
+        let server = TestServer::builder_pci(Gpu::new(GpuConfig::default()).unwrap())
+            .unwrap()
+            .dma_config(DmaConfig {
+                policy: PinPolicy::Lock,
+                lock_limit_bytes: Some(2 << 20),
+                ..DmaConfig::default()
+            })
+            .start()
             .unwrap();
-        let mut c = RawClient::new_default(&path);
+        let dma = server.dma().clone();
+        let mut vmm = server.connect().unwrap();
         // Memory decoding and bus mastering, as the guest enables them.
-        let r = c
-            .region_write(region_index::CONFIG, 4, &6u16.to_le_bytes(), 0)
-            .unwrap();
-        assert!(!r.header.is_error());
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
-        let fd = ram.fd().as_raw_fd();
-        map(&mut c, RAM_BASE, SURFACE_GPA - RAM_BASE, 0, fd);
+        vmm.write16(region_index::CONFIG, 4, 6).unwrap();
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
+        let fd = ram.fd();
+        map(&mut vmm, RAM_BASE, SURFACE_GPA - RAM_BASE, 0, fd);
         for k in 0..2 {
             let iova = SURFACE_GPA + k * SURF_MAP;
-            map(&mut c, iova, SURF_MAP, iova - RAM_BASE, fd);
+            map(&mut vmm, iova, SURF_MAP, iova - RAM_BASE, fd);
         }
-        let mut drv = Driver::probe(SocketRegs(c)).unwrap();
+        let mut drv = Driver::probe(Bar0(vmm)).unwrap();
         drv.set_mode(gpu_common::W, gpu_common::H, gpu_common::W * 4)
             .unwrap();
         drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
@@ -102,12 +72,11 @@ impl Vm {
             ram,
             fence: 0,
             _server: server,
-            _dir: dir,
         }
     }
 
     fn client(&mut self) -> &mut RawClient {
-        &mut self.drv.regs().0
+        self.drv.regs().0.client()
     }
 
     /// Submit `cmds` and a fence, wait for it; `(ERROR_CODE, ERROR_COUNT)` after, error acked.
@@ -124,20 +93,9 @@ impl Vm {
     }
 }
 
-fn map(c: &mut RawClient, iova: u64, size: u64, offset: u64, fd: i32) {
-    let p = DmaMapRequest {
-        flags: 3,
-        offset,
-        iova,
-        size,
-    }
-    .encode();
-    let r = c.call(Cmd::DmaMap as u16, 0, &p, &[fd]);
-    assert!(
-        !r.header.is_error(),
-        "DMA_MAP {iova:#x}+{size:#x}: errno {}",
-        r.header.error
-    );
+fn map(vmm: &mut Vmm, iova: u64, size: u64, offset: u64, fd: BorrowedFd<'_>) {
+    vmm.dma_map_fd(iova, size, fd, offset)
+        .unwrap_or_else(|e| panic!("DMA_MAP {iova:#x}+{size:#x}: {e}"));
 }
 
 fn blit() -> Command {
@@ -163,7 +121,7 @@ fn readback() -> Command {
 }
 
 /// The first `SW` pixels of each surface row in `mem`.
-fn surface_rows(mem: &mut GuestMemfd, pages: &[u64]) -> Vec<Vec<u8>> {
+fn surface_rows(mem: &GuestMemory, pages: &[u64]) -> Vec<Vec<u8>> {
     pages
         .iter()
         .map(|&p| {
@@ -184,14 +142,14 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     for (i, &p) in pages.iter().enumerate() {
         vm.drv.set_gtt(i as u32, p, true).unwrap();
     }
-    write_surface(&mut vm.ram, &pages, STRIDE, SW, SH);
+    write_surface(&vm.ram, &pages, STRIDE, SW, SH);
     assert_eq!(vm.run(&[blit()]), (ERR_NONE, 0));
     assert_eq!(
         vm.dma.stats().pinned_pages,
         8,
         "the BLIT pinned its entries"
     );
-    let old = surface_rows(&mut vm.ram, &pages);
+    let old = surface_rows(&vm.ram, &pages);
     assert_eq!(&old[1][..4], &pattern(0, 1).to_le_bytes());
 
     // The sweep: from the surface maps to 2^64, covering both maps and empty space.
@@ -225,10 +183,9 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     assert_eq!(vm.dma.stats().pinned_pages, 0);
 
     // The VMM maps new memory at the same IOVAs (the rebooted guest's DMA_MAP).
-    let mut new = GuestMemfd::new(SURFACE_GPA, 2 * SURF_MAP as usize).unwrap();
+    let new = GuestMemory::new(SURFACE_GPA, 2 * SURF_MAP as usize).unwrap();
     new.fill(SURFACE_GPA, 2 * SURF_MAP as usize, 0xee).unwrap();
-    let fd = new.fd().as_raw_fd();
-    map(vm.client(), SURFACE_GPA, 2 * SURF_MAP, 0, fd);
+    map(&mut vm.drv.regs().0, SURFACE_GPA, 2 * SURF_MAP, 0, new.fd());
     let color = 0x0012_3456;
     let fill = Command::FillRect {
         x: 0,
@@ -239,11 +196,11 @@ fn test_gpu_sweep_to_2_pow_64_drops_gtt_pins_faults_then_new_memory_gets_readbac
     };
     assert_eq!(vm.run(&[fill, readback()]), (ERR_NONE, 2));
     let want: Vec<u8> = (0..SW).flat_map(|_| color.to_le_bytes()).collect();
-    for (i, row) in surface_rows(&mut new, &pages).iter().enumerate() {
+    for (i, row) in surface_rows(&new, &pages).iter().enumerate() {
         assert_eq!(row, &want, "row {i} of the new memory");
     }
     assert_eq!(
-        surface_rows(&mut vm.ram, &pages),
+        surface_rows(&vm.ram, &pages),
         old,
         "the device wrote into the old memory"
     );

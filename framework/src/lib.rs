@@ -11,6 +11,9 @@
 //! - [`device`]: the trait the server drives and the info types it returns.
 //! - [`pci`]: PCI config space, BAR sizing, capability list, MSI/MSI-X; the `PciDevice` trait.
 //! - [`irq`]: eventfd triggering and masking.
+//!
+//! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
+//! temp-dir socket and drive it with an embedded VMM (see its module documentation).
 #![deny(missing_docs)]
 
 pub mod device;
@@ -19,3 +22,5 @@ pub mod irq;
 pub mod pci;
 pub mod protocol;
 pub mod server;
+#[cfg(feature = "testing")]
+pub mod testing;

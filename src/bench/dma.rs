@@ -26,13 +26,12 @@ use umdev::dma::{DmaConfig, DmaError, DmaHandle, DmaMapping, DmaSpace, Prot};
 use super::local_mapping::{memfd, LocalMapping};
 use super::machine;
 use super::progress::{Progress, ProgressMode};
-use super::raw_client::RawClient;
 use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
 use super::sampler::{interleaved, SamplePlan};
-use super::trivial_device::UmdevTrivial;
 use super::OutputArgs;
 use crate::CliResult;
 use umdev::server::{Server, ServerConfig};
+use umdev::testing::{FdlessMemory, TrivialDevice, Vmm};
 
 /// IOVA of the bench region.
 pub const REGION_IOVA: u64 = 1 << 30;
@@ -118,13 +117,16 @@ pub fn run(args: DmaArgs) -> CliResult {
     std::fs::create_dir_all(&sock_dir)?;
     let running = Server::new(
         ServerConfig::new(sock_dir.join("dma.sock")),
-        Box::new(UmdevTrivial::default()),
+        Box::new(TrivialDevice::default()),
         space.clone(),
     )
     .spawn()?;
-    let mut client = RawClient::connect(running.path())?;
+    let mut client = Vmm::connect(running.path())?;
+    let mut fdless = FdlessMemory::new(FDLESS_IOVA, region_len);
+    fdless.set_keep_log(false);
+    client.set_fdless(fdless);
     client.dma_map_fdless(FDLESS_IOVA, region)?;
-    let dma_server = client.serve_dma(FDLESS_IOVA, region_len)?;
+    let dma_server = client.serve_in_background()?;
 
     let mut progress = Progress::new(ProgressMode::detect(args.out.quiet), args.sizes.len() * 5);
     if machine::is_debug_build() {

@@ -19,7 +19,6 @@ pub mod patterns;
 pub mod pin;
 pub mod plot;
 pub mod progress;
-pub mod raw_client;
 pub mod record;
 pub mod report;
 pub mod rng;

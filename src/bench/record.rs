@@ -21,12 +21,13 @@ use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::pci::PciAdapter;
 use umdev::server::{Server, ServerConfig};
-use umdev_cli::vmm::{Bar0, Vmm};
+use umdev::testing::{DeviceAccess, Vmm};
 use umdev_devices::ccw::driver::{self as ccw, CcwWord};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::commands::Command as GpuCmd;
 use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::{Gpu, GpuConfig};
+use umdev_devices::testing::{run_ccw_program, Bar0};
 
 use super::rng::SeededRng;
 use super::trace::{read_trace, trace_recorder};
@@ -126,16 +127,16 @@ const GTT_CURSOR: (u32, u64) = (96, 4);
 const GTT_SHOT: (u32, u64) = (128, 4);
 
 fn gpu_workload(socket: &Path, frames: u32, rng: &mut SeededRng) -> CliResult {
-    let mut vmm = Vmm::connect(socket, RAM_BASE, RAM_SIZE)?;
+    let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
     let _msi = vmm.enable_msi()?;
-    let ram = &mut vmm.ram;
-    let mut drv = Driver::probe(Bar0(&mut vmm.client))?;
+    let mut ram = vmm.ram().clone();
+    let mut drv = Driver::probe(Bar0(&mut vmm))?;
     drv.set_mode(640, 480, 640 * 4)?;
     drv.setup_ring(RAM_BASE, 64 * 1024)?;
     let mut pool = PagePool { rng };
     let buffers = [pool.contiguous(GTT_WINDOW.1), pool.contiguous(GTT_WINDOW.1)];
-    let set = |drv: &mut Driver<Bar0<'_>>, (start, _): (u32, u64), pages: &[u64], w: bool| {
+    let set = |drv: &mut Driver<Bar0<&mut Vmm>>, (start, _): (u32, u64), pages: &[u64], w: bool| {
         pages
             .iter()
             .enumerate()
@@ -191,7 +192,7 @@ fn gpu_workload(socket: &Path, frames: u32, rng: &mut SeededRng) -> CliResult {
             },
             GpuCmd::Fence { value: fence },
         ];
-        drv.submit(ram, &cmds)?;
+        drv.submit(&mut ram, &cmds)?;
         drv.wait_fence(fence)?;
     }
     let total = GTT_SHOT.0 + GTT_SHOT.1 as u32;
@@ -206,7 +207,8 @@ fn ccw_run(
     program: &[CcwWord],
     block: u64,
 ) -> Result<(), BoxError> {
-    let st = vmm.run_ccw_program(msi, program, block)?;
+    let ram = vmm.ram().clone();
+    let st = run_ccw_program(vmm, &ram, msi, program, block)?;
     if st.fault != 0 {
         return Err(format!("ccw: program faulted: {st:?}").into());
     }
@@ -219,7 +221,7 @@ fn idal_gpa(i: u64) -> u64 {
 }
 
 fn ccw_workload(socket: &Path, programs: u32, rng: &mut SeededRng) -> CliResult {
-    let mut vmm = Vmm::connect(socket, RAM_BASE, RAM_SIZE)?;
+    let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;
     for n in 0..programs {
@@ -243,7 +245,7 @@ fn ccw_workload(socket: &Path, programs: u32, rng: &mut SeededRng) -> CliResult 
         let mut program = Vec::with_capacity(ccws.len());
         for (i, (is_read, pages)) in ccws.iter().enumerate() {
             let idal = idal_gpa(i as u64);
-            vmm.ram.write(idal, &ccw::encode_idaws(pages))?;
+            vmm.ram().write(idal, &ccw::encode_idaws(pages))?;
             let count = u16::try_from(pages.len() as u64 * PAGE)?;
             let word = if *is_read {
                 CcwWord::read(count, idal)

@@ -1,8 +1,8 @@
 //! `umdev bench wire`: vfio-user message round trips through a real UNIX socket, umdev's
 //! server side by side with the `vfio_user` crate's own `Server`, both serving the same
 //! [`trivial_device`](super::trivial_device) in this process, both driven by the
-//! `vfio_user::Client` (and, for posted writes, which that client cannot send, by the
-//! hand-written [`RawClient`]). The two sides are sampled interleaved.
+//! `vfio_user::Client` (and, for posted writes, which that client cannot send, by umdev's
+//! embedded [`Vmm`]). The two sides are sampled interleaved.
 //!
 //! Rows: REGION_READ 4 B, REGION_WRITE 4 B, posted REGION_WRITE 4 B (no-reply flag, in
 //! batches of 64 fenced by one REGION_READ; ns per write), DMA_MAP+DMA_UNMAP of a sparse
@@ -16,16 +16,16 @@ use std::time::{Duration, Instant};
 use super::local_mapping::memfd;
 use super::machine;
 use super::progress::{Progress, ProgressMode};
-use super::raw_client::RawClient;
 use super::report::{
     fmt_bytes, pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
-use super::trivial_device::{vfio_user_regions, UmdevTrivial, VfioUserTrivial};
+use super::trivial_device::{vfio_user_regions, VfioUserTrivial};
 use super::OutputArgs;
 use crate::CliResult;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::server::{RunningServer, Server, ServerConfig};
+use umdev::testing::{DeviceAccess, TrivialDevice, Vmm};
 
 /// IOVA of the DMA_MAP rows.
 pub const MAP_IOVA: u64 = 1 << 40;
@@ -59,7 +59,7 @@ fn spawn_umdev(path: &Path) -> Result<UmdevSide, BoxError> {
     let space = DmaSpace::new(DmaConfig::default());
     let running = Server::new(
         ServerConfig::new(path),
-        Box::new(UmdevTrivial::default()),
+        Box::new(TrivialDevice::default()),
         space,
     )
     .spawn()?;
@@ -198,8 +198,8 @@ pub fn run(args: WireArgs) -> CliResult {
         let _ = cv.shutdown();
     }
     {
-        let mut ru = RawClient::connect(&umdev_path)?;
-        let mut rv = RawClient::connect(&vfio_path)?;
+        let mut ru = Vmm::connect(&umdev_path)?;
+        let mut rv = Vmm::connect(&vfio_path)?;
         progress.start_step("posted REGION_WRITE 4 B");
         let (mut a, mut b) = interleaved(
             &plan,
@@ -236,7 +236,7 @@ pub fn run(args: WireArgs) -> CliResult {
         unavailable: Vec::new(),
         notes: vec![
             "both servers serve the same trivial device (4 KiB BAR0 registers) in this \
-             process; clients are vfio_user::Client, posted writes use a hand-written client"
+             process; clients are vfio_user::Client, posted writes use umdev's embedded VMM"
                 .into(),
             "ratio = umdev / vfio_user::Server time (< 1: umdev is faster)".into(),
         ],
@@ -255,12 +255,12 @@ pub fn run(args: WireArgs) -> CliResult {
 }
 
 /// [`POSTED_BATCH`] posted writes, then one REGION_READ that waits for all of them.
-fn posted_batch(c: &mut RawClient) -> Io {
+fn posted_batch(c: &mut Vmm) -> Io {
     for i in 0..POSTED_BATCH {
         c.posted_write(0, (i as u64 % 64) * 4, &[1, 2, 3, 4])?;
     }
     let mut fence = [0u8; 4];
-    c.region_read(0, 0, &mut fence)
+    c.read_bytes(0, 0, &mut fence)
 }
 
 /// A fresh private directory for the sockets.

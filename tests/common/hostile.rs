@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use umdev::dma::{DmaSpace, DmaStats};
 use umdev::protocol::{Header, HEADER_SIZE};
+pub use umdev::testing::open_fds;
 
 /// Tests that count fds or RSS hold this lock so no other test of the same binary opens
 /// or closes fds meanwhile.
@@ -20,12 +21,6 @@ pub static SERIAL: Mutex<()> = Mutex::new(());
 /// Take [`SERIAL`] (a failed test does not poison the others).
 pub fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Entries of /proc/self/fd (the directory handle itself is counted every time, so
-/// differences are exact).
-pub fn fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
 fn fd_list() -> Vec<String> {
@@ -48,7 +43,7 @@ fn fd_list() -> Vec<String> {
 pub fn settle_fds(baseline: usize, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(3);
     loop {
-        let n = fd_count();
+        let n = open_fds();
         if n == baseline {
             return;
         }

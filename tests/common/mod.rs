@@ -1,27 +1,32 @@
-//! Shared helpers of the wire tests: a small test device, a raw protocol client, and a
-//! server launcher on a temp-dir socket.
+//! The wire tests' own device ([`test_device`]), served through umdev's test harness; the
+//! raw client and the rest come from [`umdev::testing`]. The device file is shared with the
+//! fuzz targets (`fuzz/src/lib.rs`), which is why it asks its parent module for `memfd`.
 #![allow(dead_code, unused_imports)]
 
-pub mod raw_client;
 pub mod test_device;
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::fs::File;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use umdev::dma::{DmaConfig, DmaSpace};
-use umdev::server::{RunningServer, Server, ServerConfig};
+use umdev::server::ServerConfig;
 
-pub use raw_client::RawClient;
 pub use test_device::{DeviceState, TestDevice};
 
-/// A running server with its test device, on a socket in a temp dir.
+/// A running server with its test device, on a socket in a temp dir (everything of
+/// [`umdev::testing::TestServer`], plus the device's observable state).
 pub struct TestServer {
-    pub server: Option<RunningServer>,
-    pub state: Arc<Mutex<DeviceState>>,
-    pub dma: Arc<DmaSpace>,
-    pub path: PathBuf,
-    _dir: tempfile::TempDir,
+    server: umdev::testing::TestServer<TestDevice>,
+    state: Arc<Mutex<DeviceState>>,
+}
+
+impl Deref for TestServer {
+    type Target = umdev::testing::TestServer<TestDevice>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.server
+    }
 }
 
 impl TestServer {
@@ -30,28 +35,21 @@ impl TestServer {
     }
 
     pub fn start_with(tune: impl FnOnce(&mut ServerConfig)) -> TestServer {
-        init_logs();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dev.sock");
-        let mut config = ServerConfig::new(&path);
-        config.remote_dma_timeout = Duration::from_secs(2);
-        tune(&mut config);
         let (device, state) = TestDevice::new();
-        let dma = DmaSpace::new(DmaConfig::default());
-        let server = Server::new(config, Box::new(device), dma.clone())
-            .spawn()
+        let server = umdev::testing::TestServer::builder(device)
+            .configure(tune)
+            .start()
             .unwrap();
-        TestServer {
-            server: Some(server),
-            state,
-            dma,
-            path,
-            _dir: dir,
-        }
+        TestServer { server, state }
     }
 
-    pub fn state(&self) -> std::sync::MutexGuard<'_, DeviceState> {
+    pub fn state(&self) -> MutexGuard<'_, DeviceState> {
         self.state.lock().unwrap()
+    }
+
+    /// The running server, taken out (to shut it down elsewhere).
+    pub fn take_running(&mut self) -> Option<umdev::server::RunningServer> {
+        self.server.take_running()
     }
 
     /// Wait (≤ 2 s) until `cond` holds on the device state.
@@ -66,26 +64,7 @@ impl TestServer {
     }
 }
 
-/// Route server logs to the test output (RUST_LOG controls the level).
-pub fn init_logs() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_test_writer()
-        .try_init();
-}
-
-/// A memfd of `size` bytes.
-pub fn memfd(size: u64) -> std::fs::File {
-    use std::os::fd::FromRawFd;
-    let name = std::ffi::CString::new("umdev-test").unwrap();
-    // SAFETY: valid NUL-terminated name; the returned fd is checked below.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0, "memfd_create failed");
-    // SAFETY: fd is a fresh descriptor we own.
-    let f = unsafe { std::fs::File::from_raw_fd(fd) };
-    f.set_len(size).unwrap();
-    f
+/// A memfd of `size` bytes (for the test device's BAR2).
+pub fn memfd(size: u64) -> File {
+    umdev::testing::memfd(size).unwrap()
 }

@@ -1,18 +1,16 @@
 //! A minimal guest-side driver for the GPU, shared by the tests, the end-to-end tests and
 //! `umdev demo gpu`, so that all of them use the device's own command encoding.
 //!
-//! It talks to BAR0 through [`RegisterAccess`] (a `PciAdapter` in device tests, a vfio-user
-//! client in end-to-end tests) and writes the ring through [`GuestRam`] (e.g. a
-//! [`GuestMemfd`], memfd-backed guest memory that is also DMA-mapped for the device).
+//! It talks to BAR0 through [`RegisterAccess`] and writes the ring through [`GuestRam`]. With
+//! the `testing` feature, `crate::testing` implements both over umdev's test harness: BAR0
+//! of a `PciAdapter` in-process or of the embedded VMM through the socket, and umdev's
+//! memfd-backed `GuestMemory` (also DMA-mapped for the device).
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::commands::Command;
 use super::regs::*;
-use umdev::pci::SharedMemory;
 
 /// 32-bit access to BAR0.
 pub trait RegisterAccess {
@@ -210,80 +208,5 @@ impl<R: RegisterAccess> Driver<R> {
             std::thread::sleep(Duration::from_micros(200));
         }
         Ok(())
-    }
-}
-
-/// memfd-backed guest memory at guest address `base`, mapped in this process too (umdev's
-/// sealed [`SharedMemory`]; accessed with volatile copies only).
-pub struct GuestMemfd {
-    mem: SharedMemory,
-    fd: Arc<OwnedFd>,
-    base: u64,
-}
-
-impl GuestMemfd {
-    /// `size` bytes (page multiple) of zeroed memory at guest address `base`.
-    pub fn new(base: u64, size: usize) -> io::Result<GuestMemfd> {
-        if size == 0 || !size.is_multiple_of(4096) || base.checked_add(size as u64).is_none() {
-            return Err(io::Error::from_raw_os_error(libc::EINVAL));
-        }
-        let mem = SharedMemory::new("guest-ram", size as u64)?;
-        let fd = mem.fd();
-        Ok(GuestMemfd { mem, fd, base })
-    }
-
-    /// Guest address of the first byte.
-    pub fn base(&self) -> u64 {
-        self.base
-    }
-
-    /// Size in bytes.
-    pub fn size(&self) -> usize {
-        self.mem.len() as usize
-    }
-
-    /// The memfd (to DMA-map it for the device).
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    /// A duplicate of the memfd.
-    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
-        self.fd.try_clone()
-    }
-
-    fn offset(&self, gpa: u64, len: usize) -> io::Result<u64> {
-        gpa.checked_sub(self.base)
-            .filter(|&o| {
-                o.checked_add(len as u64)
-                    .is_some_and(|e| e <= self.mem.len())
-            })
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))
-    }
-
-    /// Fill `[gpa, gpa + len)` with `byte`.
-    pub fn fill(&mut self, gpa: u64, len: usize, byte: u8) -> io::Result<()> {
-        let mut off = self.offset(gpa, len)?;
-        let chunk = [byte; 4096];
-        let mut left = len;
-        while left > 0 {
-            let n = left.min(chunk.len());
-            self.mem.write_at(off, &chunk[..n])?;
-            off += n as u64;
-            left -= n;
-        }
-        Ok(())
-    }
-}
-
-impl GuestRam for GuestMemfd {
-    fn write(&mut self, gpa: u64, data: &[u8]) -> io::Result<()> {
-        let off = self.offset(gpa, data.len())?;
-        self.mem.write_at(off, data)
-    }
-
-    fn read(&mut self, gpa: u64, buf: &mut [u8]) -> io::Result<()> {
-        let off = self.offset(gpa, buf.len())?;
-        self.mem.read_at(off, buf)
     }
 }

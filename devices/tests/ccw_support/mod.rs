@@ -1,21 +1,24 @@
-//! Test rig for the ccw device: a `PciAdapter<Ccw>` driven through the `Device` trait, a real
-//! `DmaSpace` with memfd-backed guest memory, and the test acting as guest driver (it writes
-//! guest memory through the memfd, registers through `region_write`).
+//! What the ccw device-level tests share beyond umdev's harness: a `PciAdapter<Ccw>` driven
+//! in-process (no socket), a real `DmaSpace` with the test layout of guest memory (RAM and a
+//! read-only window), and the test acting as guest driver (guest memory through
+//! `GuestMemory`, registers through `region_write`).
 #![allow(dead_code)]
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use umdev::device::{irq_index, region_index, Device, IrqAction, IrqData, SetIrqs};
-use umdev::dma::{DmaConfig, DmaMapping, DmaSpace, PinPolicy, Prot};
+use umdev::device::{irq_index, region_index, Device};
+use umdev::dma::{DmaConfig, DmaSpace, PinPolicy, Prot};
 use umdev::pci::PciAdapter;
+use umdev::testing::{wait_eventfd, DeviceAccess, GuestMemory};
 use umdev_devices::ccw::driver::{self, regs, CcwWord, OperationBlock, StatusBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+pub use umdev::testing::Rng;
 
 /// IOVA of the read/write guest RAM.
 pub const RAM: u64 = 0x10_0000;
@@ -44,40 +47,9 @@ pub const DATA: u64 = RAM + 0x10000;
 /// Image capacity used by the rig (blocks).
 pub const CAPACITY_BLOCKS: u64 = 32768;
 
-/// A tiny deterministic PRNG (xorshift64*).
-pub struct Rng(u64);
-
-impl Rng {
-    /// Seeded generator.
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-    /// Next value.
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Value in `0..n`.
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Random bytes.
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
-
-fn memfd(name: &str, size: u64) -> File {
-    let cname = std::ffi::CString::new(name).unwrap();
-    // SAFETY: memfd_create with a valid NUL-terminated name; the returned fd is checked.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0, "memfd_create failed");
-    // SAFETY: `fd` is a fresh descriptor we own.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(size).unwrap();
-    f
+/// The generator the ccw tests use for `seed`: umdev's xorshift64* from state `seed | 1`.
+pub fn seeded(seed: u64) -> Rng {
+    Rng::from_state(seed | 1)
 }
 
 /// The rig.
@@ -87,9 +59,9 @@ pub struct Rig {
     /// The device under test.
     pub dev: PciAdapter<Ccw>,
     /// Guest RAM (the guest's view).
-    pub ram: File,
+    pub ram: GuestMemory,
     /// Read-only mapping's backing.
-    pub rom: File,
+    pub rom: GuestMemory,
     /// MSI eventfd.
     pub msi: EventFd,
     /// Image path.
@@ -143,11 +115,16 @@ impl Rig {
         let mut dev = PciAdapter::new(ccw).unwrap();
         dev.attach(space.handle());
 
-        let ram = memfd("ram", RAM_SIZE);
-        let rom = memfd("rom", ROM_SIZE);
-        map(&space, &ram, RAM, RAM_SIZE, Prot::RW);
-        map(&space, &rom, ROM, ROM_SIZE, Prot::READ);
+        let ram = GuestMemory::new(RAM, RAM_SIZE as usize).unwrap();
+        let rom = GuestMemory::new(ROM, ROM_SIZE as usize).unwrap();
+        space
+            .map(ram.dma_mapping(RAM, RAM_SIZE, Prot::RW).unwrap())
+            .unwrap();
+        space
+            .map(rom.dma_mapping(ROM, ROM_SIZE, Prot::READ).unwrap())
+            .unwrap();
 
+        // Replaced by `enable_irq` below.
         let msi = EventFd::new(EFD_NONBLOCK).unwrap();
         let mut rig = Rig {
             space,
@@ -162,87 +139,45 @@ impl Rig {
         rig
     }
 
-    /// Enable memory space, bus mastering and MSI (or INTx), and attach the eventfd.
+    /// Enable memory space, bus mastering and MSI (or INTx), and attach a fresh eventfd.
     pub fn enable_irq(&mut self, intx: bool) {
-        // Memory space + bus master.
-        self.cfg_write(0x04, &6u16.to_le_bytes());
-        let index = if intx {
-            irq_index::INTX
+        self.dev.enable_device().unwrap();
+        self.msi = if intx {
+            self.dev.attach_eventfd(irq_index::INTX)
         } else {
-            let cap = self.find_cap(0x05).expect("MSI capability");
-            let mut ctl = [0u8; 2];
-            self.dev
-                .region_read(region_index::CONFIG, cap + 2, &mut ctl)
-                .unwrap();
-            let ctl = u16::from_le_bytes(ctl) | 1;
-            self.cfg_write(cap + 2, &ctl.to_le_bytes());
-            irq_index::MSI
-        };
-        self.dev
-            .set_irqs(SetIrqs {
-                index,
-                start: 0,
-                count: 1,
-                action: IrqAction::Trigger,
-                data: IrqData::Eventfd(vec![Some(self.msi.try_clone().unwrap())]),
-            })
-            .unwrap();
-    }
-
-    fn cfg_write(&mut self, off: u64, data: &[u8]) {
-        self.dev
-            .region_write(region_index::CONFIG, off, data)
-            .unwrap();
+            self.dev.enable_msi()
+        }
+        .unwrap();
     }
 
     /// Offset of the capability with `id` in config space.
     pub fn find_cap(&mut self, id: u8) -> Option<u64> {
-        let mut b = [0u8; 1];
-        self.dev
-            .region_read(region_index::CONFIG, 0x34, &mut b)
-            .unwrap();
-        let mut ptr = u64::from(b[0] & !3);
-        for _ in 0..48 {
-            if ptr == 0 {
-                return None;
-            }
-            let mut hdr = [0u8; 2];
-            self.dev
-                .region_read(region_index::CONFIG, ptr, &mut hdr)
-                .unwrap();
-            if hdr[0] == id {
-                return Some(ptr);
-            }
-            ptr = u64::from(hdr[1] & !3);
-        }
-        None
+        self.dev.find_capability(id).unwrap()
     }
 
     /// Map the RAM window again (after a test unmapped it).
     pub fn remap_ram(&self) {
-        map(&self.space, &self.ram, RAM, RAM_SIZE, Prot::RW);
+        self.space
+            .map(self.ram.dma_mapping(RAM, RAM_SIZE, Prot::RW).unwrap())
+            .unwrap();
     }
 
     /// Guest memory write (RAM or ROM window).
     pub fn guest_write(&self, iova: u64, data: &[u8]) {
-        let (f, off) = self.backing(iova, data.len());
-        f.write_all_at(data, off).unwrap();
+        self.backing(iova, data.len()).write(iova, data).unwrap();
     }
 
     /// Guest memory read.
     pub fn guest_read(&self, iova: u64, len: usize) -> Vec<u8> {
-        let (f, off) = self.backing(iova, len);
-        let mut v = vec![0u8; len];
-        f.read_exact_at(&mut v, off).unwrap();
-        v
+        self.backing(iova, len).read_vec(iova, len).unwrap()
     }
 
-    fn backing(&self, iova: u64, len: usize) -> (&File, u64) {
+    fn backing(&self, iova: u64, len: usize) -> &GuestMemory {
         let end = iova + len as u64;
         if iova >= RAM && end <= RAM + RAM_SIZE {
-            (&self.ram, iova - RAM)
+            &self.ram
         } else if iova >= ROM && end <= ROM + ROM_SIZE {
-            (&self.rom, iova - ROM)
+            &self.rom
         } else {
             panic!("guest access outside test memory: {iova:#x}+{len}");
         }
@@ -266,15 +201,7 @@ impl Rig {
 
     /// Wait for the interrupt eventfd (true if it fired within `timeout`).
     pub fn wait_irq(&self, timeout: Duration) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: self.msi.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `pfd` is a valid pollfd for one descriptor we own.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        n == 1 && self.msi.read().is_ok()
+        wait_eventfd(&self.msi, timeout).is_some()
     }
 
     /// Write the operation block at `opb` and START; wait for the interrupt; ack it.
@@ -344,17 +271,4 @@ impl Default for Rig {
     fn default() -> Self {
         Rig::new()
     }
-}
-
-fn map(space: &DmaSpace, f: &File, iova: u64, size: u64, prot: Prot) {
-    let fd: OwnedFd = f.try_clone().unwrap().into();
-    space
-        .map(DmaMapping {
-            iova,
-            size,
-            prot,
-            fd: Some(fd),
-            offset: 0,
-        })
-        .unwrap();
 }

@@ -1,19 +1,19 @@
-//! Shared rig for the GPU device-level tests: a `PciAdapter<Gpu>` driven through the
-//! `Device` trait, a real `DmaSpace`, memfd-backed guest memory DMA-mapped into it, and the
-//! reference guest driver. Also a reference model of the drawing commands.
+//! What the GPU device-level tests share beyond umdev's harness: a `PciAdapter<Gpu>` driven
+//! in-process (no socket) by the reference guest driver, a real `DmaSpace` with the test
+//! layout of guest memory, and a reference model of the drawing commands.
 #![allow(dead_code)]
 
-use std::io;
 use std::sync::Arc;
-use std::time::Duration;
 
 use umdev::device::{region_index, Device, IrqAction, IrqData, SetIrqs};
-use umdev::dma::{DmaConfig, DmaMapping, DmaSpace, PinPolicy, Prot};
+use umdev::dma::{DmaConfig, DmaSpace, PinPolicy, Prot};
 use umdev::pci::PciAdapter;
-use umdev_devices::gpu::driver::{Driver, GuestMemfd, RegisterAccess};
+use umdev::testing::{DeviceAccess, GuestMemory};
+use umdev_devices::gpu::driver::Driver;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, Gpu, GpuConfig};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use umdev_devices::testing::Bar0;
+use vmm_sys_util::eventfd::EventFd;
 
 /// Guest address of the guest RAM.
 pub const RAM_BASE: u64 = 0x1000_0000;
@@ -36,36 +36,11 @@ pub const W: u32 = 320;
 /// The test mode.
 pub const H: u32 = 240;
 
-/// BAR0 of the adapter, as the guest driver's register access.
-pub struct Dev(pub PciAdapter<Gpu>);
-
-impl RegisterAccess for Dev {
-    fn read32(&mut self, off: u64) -> io::Result<u32> {
-        let mut b = [0u8; 4];
-        self.0
-            .region_read(region_index::BAR0, off, &mut b)
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
-        Ok(u32::from_le_bytes(b))
-    }
-
-    fn write32(&mut self, off: u64, val: u32) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))
-    }
-
-    fn write64(&mut self, off: u64, val: u64) -> io::Result<()> {
-        self.0
-            .region_write(region_index::BAR0, off, &val.to_le_bytes())
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))
-    }
-}
-
 /// Everything a test needs.
 pub struct Rig {
-    pub drv: Driver<Dev>,
+    pub drv: Driver<Bar0<PciAdapter<Gpu>>>,
     pub space: Arc<DmaSpace>,
-    pub ram: GuestMemfd,
+    pub ram: GuestMemory,
 }
 
 impl Rig {
@@ -77,7 +52,7 @@ impl Rig {
             lock_limit_bytes: Some(2 << 20),
             ..DmaConfig::default()
         });
-        let ram = GuestMemfd::new(RAM_BASE, RAM_SIZE).unwrap();
+        let ram = GuestMemory::new(RAM_BASE, RAM_SIZE).unwrap();
         // Three mappings of one memfd: ring area, surfaces (RW), read-only area.
         for (iova, size, prot) in [
             (RAM_BASE, SURFACE_GPA - RAM_BASE, Prot::RW),
@@ -85,13 +60,7 @@ impl Rig {
             (RO_GPA, RAM_BASE + RAM_SIZE as u64 - RO_GPA, Prot::READ),
         ] {
             space
-                .map(DmaMapping {
-                    iova,
-                    size,
-                    prot,
-                    fd: Some(ram.try_clone_fd().unwrap()),
-                    offset: iova - RAM_BASE,
-                })
+                .map(ram.dma_mapping(iova, size, prot).unwrap())
                 .unwrap();
         }
         let mut adapter = PciAdapter::new(Gpu::new(GpuConfig::default()).unwrap()).unwrap();
@@ -100,7 +69,7 @@ impl Rig {
         adapter
             .region_write(region_index::CONFIG, 4, &0x0006u16.to_le_bytes())
             .unwrap();
-        let mut drv = Driver::probe(Dev(adapter)).unwrap();
+        let mut drv = Driver::probe(Bar0(adapter)).unwrap();
         drv.set_mode(W, H, W * 4).unwrap();
         drv.setup_ring(RING_GPA, RING_SIZE).unwrap();
         Rig { drv, space, ram }
@@ -157,32 +126,7 @@ impl Rig {
 
     /// Attach an eventfd to vector 0 of `index` (INTX / MSI / MSIX).
     pub fn irq_eventfd(&mut self, index: u32) -> EventFd {
-        let efd = EventFd::new(EFD_NONBLOCK).unwrap();
-        self.adapter()
-            .set_irqs(SetIrqs {
-                index,
-                start: 0,
-                count: 1,
-                action: IrqAction::Trigger,
-                data: IrqData::Eventfd(vec![Some(efd.try_clone().unwrap())]),
-            })
-            .unwrap();
-        efd
-    }
-
-    /// Find a capability in config space.
-    pub fn find_cap(&mut self, id: u8) -> Option<u64> {
-        let mut ptr = self.config_read(0x34, 1) as u64 & 0xfc;
-        for _ in 0..48 {
-            if ptr == 0 {
-                return None;
-            }
-            if self.config_read(ptr, 1) as u8 == id {
-                return Some(ptr);
-            }
-            ptr = self.config_read(ptr + 1, 1) as u64 & 0xfc;
-        }
-        None
+        self.adapter().attach_eventfd(index).unwrap()
     }
 
     pub fn config_read(&mut self, off: u64, len: usize) -> u32 {
@@ -199,29 +143,14 @@ impl Rig {
             .unwrap();
     }
 
-    /// Enable MSI-X in config space and unmask vector 0 in the table.
-    pub fn enable_msix(&mut self) {
-        let cap = self.find_cap(0x11).expect("MSI-X capability");
-        let ctrl = self.config_read(cap + 2, 2) as u16;
-        self.config_write(cap + 2, &((ctrl | 0x8000) & !0x4000).to_le_bytes());
-        let entry = MSIX_TABLE_OFFSET;
-        let bar = region_index::BAR0;
-        let a = self.adapter();
-        a.region_write(bar, entry, &0xfee0_0000u32.to_le_bytes())
-            .unwrap();
-        a.region_write(bar, entry + 4, &0u32.to_le_bytes()).unwrap();
-        a.region_write(bar, entry + 8, &0x41u32.to_le_bytes())
-            .unwrap();
-        a.region_write(bar, entry + 12, &0u32.to_le_bytes())
-            .unwrap();
+    /// Enable MSI-X in config space and unmask vector 0 in the table; the eventfd of vector 0.
+    pub fn enable_msix(&mut self) -> EventFd {
+        self.adapter().enable_msix().unwrap()
     }
 
-    /// Enable MSI (1 vector) in config space.
-    pub fn enable_msi(&mut self) {
-        let cap = self.find_cap(0x05).expect("MSI capability");
-        let ctrl = self.config_read(cap + 2, 2) as u16;
-        self.config_write(cap + 4, &0xfee0_0000u32.to_le_bytes());
-        self.config_write(cap + 2, &((ctrl | 1) & !0x70).to_le_bytes());
+    /// Enable MSI (1 vector) in config space; the eventfd of vector 0.
+    pub fn enable_msi(&mut self) -> EventFd {
+        self.adapter().enable_msi().unwrap()
     }
 
     /// Unmap the surface mapping through the device's notifier (as the server does).
@@ -273,18 +202,9 @@ impl Rig {
     }
 }
 
-/// Wait for an eventfd to fire (non-blocking eventfd polled).
-pub fn wait_eventfd(efd: &EventFd, timeout: Duration) -> bool {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        if efd.read().is_ok() {
-            return true;
-        }
-        if std::time::Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+/// True if `efd` fired within `timeout`.
+pub fn wait_eventfd(efd: &EventFd, timeout: std::time::Duration) -> bool {
+    umdev::testing::wait_eventfd(efd, timeout).is_some()
 }
 
 /// Surface pixel pattern.
@@ -294,8 +214,7 @@ pub fn pattern(x: u32, y: u32) -> u32 {
 
 /// Write a `w`×`h` surface with rows `stride` apart into the guest pages `pages` (the GTT
 /// order), i.e. surface byte `o` lives at `pages[o / 4096] + o % 4096`.
-pub fn write_surface(ram: &mut GuestMemfd, pages: &[u64], stride: u32, w: u32, h: u32) {
-    use umdev_devices::gpu::driver::GuestRam;
+pub fn write_surface(ram: &GuestMemory, pages: &[u64], stride: u32, w: u32, h: u32) {
     for y in 0..h {
         for x in 0..w {
             let o = u64::from(y) * u64::from(stride) + u64::from(x) * 4;

@@ -59,7 +59,7 @@ mod adapter_config_tests;
 #[cfg(test)]
 mod adapter_irq_tests;
 #[cfg(test)]
-mod test_device;
+pub(crate) mod test_device;
 
 use std::sync::Arc;
 

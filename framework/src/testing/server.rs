@@ -1,0 +1,219 @@
+//! Serving a device for a test: a real [`Server`] on a socket in a fresh temp dir, with its
+//! own [`DmaSpace`], shut down when the [`TestServer`] is dropped.
+//!
+//! The server owns the device, but a test wants to look at it (how many pins it holds, what
+//! it drew): the device is shared between the two through [`SharedDevice`], a
+//! `Arc<Mutex<D>>` that implements [`Device`]. [`TestServer::device`] locks it briefly; the
+//! connection thread takes the same lock for every message, so a test must not hold the
+//! guard while it waits for a reply.
+//!
+//! The remote DMA timeout is 2 s instead of the server's default, so that a test whose client
+//! never answers a DMA_READ fails in seconds; [`TestServerBuilder::configure`] changes it and
+//! anything else in [`ServerConfig`].
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::device::{Device, DeviceError, DeviceInfo, SetIrqs};
+use crate::dma::{DmaConfig, DmaHandle, DmaSpace};
+use crate::pci::{PciAdapter, PciDevice};
+use crate::server::{RunningServer, Server, ServerConfig, ServerError};
+
+use super::vmm::Vmm;
+
+/// Remote DMA timeout of a test server (the server's default is QEMU's 5 s).
+pub const TEST_REMOTE_DMA_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A device owned jointly by the server and the test. Every [`Device`] call locks it; a
+/// panic inside the device (the server catches it) leaves the lock usable.
+pub struct SharedDevice<D>(pub Arc<Mutex<D>>);
+
+fn lock<D>(m: &Mutex<D>) -> MutexGuard<'_, D> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<D: Device> Device for SharedDevice<D> {
+    fn info(&self) -> DeviceInfo {
+        lock(&self.0).info()
+    }
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        lock(&self.0).region_read(region, offset, data)
+    }
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        lock(&self.0).region_write(region, offset, data)
+    }
+    fn attach(&mut self, dma: DmaHandle) {
+        lock(&self.0).attach(dma)
+    }
+    fn set_irqs(&mut self, req: SetIrqs) -> Result<(), DeviceError> {
+        lock(&self.0).set_irqs(req)
+    }
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        lock(&self.0).reset()
+    }
+    fn dma_unmap(&mut self, iova: u64, size: u64) {
+        lock(&self.0).dma_unmap(iova, size)
+    }
+    fn disconnected(&mut self) {
+        lock(&self.0).disconnected()
+    }
+}
+
+/// A running server with its device, on `dev.sock` in a temp dir that is removed on drop.
+pub struct TestServer<D: Device + 'static> {
+    device: Arc<Mutex<D>>,
+    dma: Arc<DmaSpace>,
+    path: PathBuf,
+    // Dropped before `dir`: the server stops before its directory goes away.
+    running: Option<RunningServer>,
+    dir: tempfile::TempDir,
+}
+
+/// How a [`TestServer`] is started: DMA configuration, server configuration, directory.
+pub struct TestServerBuilder<D> {
+    device: D,
+    dma: DmaConfig,
+    config: ServerConfig,
+    dir: Option<tempfile::TempDir>,
+}
+
+impl<D: Device + 'static> TestServerBuilder<D> {
+    /// The DMA space's configuration (pin policy, limits); default [`DmaConfig::default`].
+    pub fn dma_config(mut self, config: DmaConfig) -> Self {
+        self.dma = config;
+        self
+    }
+
+    /// Change the server configuration (the socket path is the server's own).
+    pub fn configure(mut self, tune: impl FnOnce(&mut ServerConfig)) -> Self {
+        tune(&mut self.config);
+        self
+    }
+
+    /// Serve from `dir` (e.g. one that holds the device's backing image) instead of a new
+    /// temp dir; it is removed when the server is dropped.
+    pub fn in_dir(mut self, dir: tempfile::TempDir) -> Self {
+        self.dir = Some(dir);
+        self
+    }
+
+    /// Bind the socket and start serving.
+    pub fn start(self) -> io::Result<TestServer<D>> {
+        super::init_logs();
+        let dir = match self.dir {
+            Some(d) => d,
+            None => tempfile::tempdir()?,
+        };
+        let path = dir.path().join("dev.sock");
+        let mut config = self.config;
+        config.socket_path = path.clone();
+        let device = Arc::new(Mutex::new(self.device));
+        let dma = DmaSpace::new(self.dma);
+        let running = Server::new(config, Box::new(SharedDevice(device.clone())), dma.clone())
+            .spawn()
+            .map_err(server_error)?;
+        Ok(TestServer {
+            device,
+            dma,
+            path,
+            running: Some(running),
+            dir,
+        })
+    }
+}
+
+fn server_error(e: ServerError) -> io::Error {
+    io::Error::other(e)
+}
+
+impl<D: Device + 'static> TestServer<D> {
+    /// A builder for serving `device`.
+    pub fn builder(device: D) -> TestServerBuilder<D> {
+        let mut config = ServerConfig::new("");
+        config.remote_dma_timeout = TEST_REMOTE_DMA_TIMEOUT;
+        TestServerBuilder {
+            device,
+            dma: DmaConfig::default(),
+            config,
+            dir: None,
+        }
+    }
+
+    /// Serve `device` with the default configuration.
+    pub fn start(device: D) -> io::Result<TestServer<D>> {
+        Self::builder(device).start()
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The temp dir the socket lives in (removed on drop).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The device's DMA space (maps, pins, statistics).
+    pub fn dma(&self) -> &Arc<DmaSpace> {
+        &self.dma
+    }
+
+    /// The device, locked. Keep the guard short: the server locks it for every message.
+    pub fn device(&self) -> MutexGuard<'_, D> {
+        lock(&self.device)
+    }
+
+    /// Connect the embedded VMM (negotiated with [`super::DEFAULT_CAPS`]).
+    pub fn connect(&self) -> io::Result<Vmm> {
+        Vmm::connect(&self.path)
+    }
+
+    /// Take the running server out (to shut it down from another thread, say); the
+    /// `TestServer` then only keeps the device, the DMA space and the directory.
+    pub fn take_running(&mut self) -> Option<RunningServer> {
+        self.running.take()
+    }
+
+    /// Stop the server and wait for it.
+    pub fn shutdown(mut self) -> Result<(), ServerError> {
+        match self.running.take() {
+            Some(r) => r.shutdown(),
+            None => Ok(()),
+        }
+    }
+
+    /// Assert that nothing is pinned or locked in the DMA space, that the device leaked no
+    /// pin the server had to release, and that the space's accounting scan agrees.
+    #[track_caller]
+    pub fn assert_space_unpinned(&self) {
+        let s = self.dma.stats();
+        assert_eq!(s.pinned_pages, 0, "pinned pages left: {s:?}");
+        assert_eq!(s.locked_pages, 0, "locked pages left: {s:?}");
+        assert_eq!(s.leaked_pins_released, 0, "device leaked pins: {s:?}");
+        if let Err(e) = self.dma.check_invariants() {
+            panic!("DMA space accounting: {e}");
+        }
+    }
+}
+
+impl<P: PciDevice + 'static> TestServer<PciAdapter<P>> {
+    /// A builder for serving the PCI device `dev` (config space, BARs and interrupts by
+    /// [`PciAdapter`]).
+    pub fn builder_pci(dev: P) -> io::Result<TestServerBuilder<PciAdapter<P>>> {
+        let adapter = PciAdapter::new(dev).map_err(io::Error::other)?;
+        Ok(Self::builder(adapter))
+    }
+
+    /// Serve the PCI device `dev` with the default configuration.
+    pub fn start_pci(dev: P) -> io::Result<TestServer<PciAdapter<P>>> {
+        Self::builder_pci(dev)?.start()
+    }
+}
