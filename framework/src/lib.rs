@@ -11,6 +11,7 @@
 //! - [`device`]: the trait the server drives and the info types it returns.
 //! - [`pci`]: PCI config space, BAR sizing, capability list, MSI/MSI-X; the `PciDevice` trait.
 //! - [`irq`]: eventfd triggering and masking.
+//! - [`instance`]: parents, types and instances (the mdev model), above `server`.
 //!
 //! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
 //! temp-dir socket and drive it with an embedded VMM (see its module documentation).
@@ -18,6 +19,7 @@
 
 pub mod device;
 pub mod dma;
+pub mod instance;
 pub mod irq;
 pub mod pci;
 pub mod protocol;

@@ -1,0 +1,135 @@
+//! The [`Parent`] trait a device family implements to be served as instances.
+
+use std::collections::BTreeMap;
+
+use crate::device::{Device, DeviceError};
+
+/// Instance parameters as the admin gave them (`umdev create ... key=value`), kept in the
+/// instance's definition. A parent documents which keys it reads and rejects unknown ones.
+pub type Params = BTreeMap<String, String>;
+
+/// Something a parent shares among its instances, with its total amount.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resource {
+    /// Name, unique within the parent (`"framebuffer"`, `"images"`).
+    pub name: String,
+    /// Unit, for humans (`"MiB"`, `"slots"`).
+    pub unit: String,
+    /// Total amount the parent has.
+    pub total: u64,
+}
+
+/// A kind of instance a parent offers (the kernel's mdev type).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceType {
+    /// Name, unique within the parent (`"gpu-4m"`); the CLI addresses types as
+    /// `<parent>/<type>` or, when unambiguous, by this name alone.
+    pub name: String,
+    /// One line for humans.
+    pub description: String,
+    /// The VFIO device API the instance presents (`"vfio-pci"`).
+    pub device_api: String,
+    /// What one instance takes: `(resource name, amount)`. A type that needs nothing is
+    /// limited only by the registry's own instance limit.
+    pub needs: Vec<(String, u64)>,
+}
+
+/// What [`Parent::create`] is asked to build.
+#[derive(Clone, Copy, Debug)]
+pub struct CreateRequest<'a> {
+    /// The instance's UUID (canonical lowercase hyphenated form).
+    pub uuid: &'a str,
+    /// One of the parent's [`InstanceType::name`]s.
+    pub type_name: &'a str,
+    /// The admin's parameters.
+    pub params: &'a Params,
+}
+
+/// Why an instance operation failed. Each variant names what the admin needs to know.
+#[derive(Debug, thiserror::Error)]
+pub enum InstanceError {
+    /// No parent offers this type.
+    #[error("unknown type {0:?}")]
+    UnknownType(String),
+    /// Not enough of a resource left for one more instance of the type.
+    #[error(
+        "no {type_name} instances available: it needs {needed} {unit} of {resource}, \
+         {left} {unit} left"
+    )]
+    Exhausted {
+        /// The type asked for.
+        type_name: String,
+        /// The resource that ran out.
+        resource: String,
+        /// Its unit.
+        unit: String,
+        /// What one instance needs.
+        needed: u64,
+        /// What is left.
+        left: u64,
+    },
+    /// The UUID already names an instance.
+    #[error("UUID {0} is in use")]
+    UuidInUse(String),
+    /// No instance has this UUID.
+    #[error("no instance {0}")]
+    NoSuchInstance(String),
+    /// A parameter is unknown or has a bad value.
+    #[error("parameter {name:?}: {why}")]
+    BadParam {
+        /// The key.
+        name: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A client is attached and did not let go in time (removal without `force`).
+    #[error("instance {0} is busy: a client is attached and did not release it")]
+    Busy(String),
+    /// Building the device failed.
+    #[error("creating the device failed")]
+    Device(#[source] DeviceError),
+    /// An I/O error (sockets, files).
+    #[error("{what}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A device family served as instances. Implementations are shared by every thread of the
+/// daemon (`Send + Sync`); the resources they share among instances (one render engine, an
+/// image directory) live in the parent, and an instance's device holds what it borrowed
+/// until it is dropped.
+pub trait Parent: Send + Sync {
+    /// Short name, unique among the parents of one registry (`"gpu"`, `"ccw"`, `"hello"`).
+    fn name(&self) -> &str;
+
+    /// What the parent shares among its instances, with totals.
+    fn resources(&self) -> Vec<Resource> {
+        Vec::new()
+    }
+
+    /// The types it offers.
+    fn types(&self) -> Vec<InstanceType>;
+
+    /// Check `params` for `type_name` without building anything (called before resources are
+    /// taken, so a bad parameter never costs a slot). Default: no parameters accepted.
+    fn check_params(&self, _type_name: &str, params: &Params) -> Result<(), InstanceError> {
+        match params.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(InstanceError::BadParam {
+                name: k.clone(),
+                why: format!("{} instances take no parameters", self.name()),
+            }),
+        }
+    }
+
+    /// Build the device of a new instance. The registry has checked that the type exists,
+    /// that its resources are available, and that the parameters passed `check_params`.
+    /// The device is dropped when the instance is removed; whatever it borrowed from the
+    /// parent goes back then.
+    fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError>;
+}
