@@ -36,7 +36,7 @@
 //! - **a second attach and `Drop`**: the worker is stopped and joined (it leaves at its
 //!   next command boundary), then its pins are released with the handle it used.
 //!
-//! ```no_run
+//! ```
 //! use umdev::pci::PciAdapter;
 //! use umdev_devices::gpu::{Gpu, GpuConfig};
 //! let gpu = Gpu::new(GpuConfig::default()).unwrap();

@@ -23,6 +23,9 @@
 //!         data.fill(0);
 //!     }
 //!     fn bar_write(&mut self, _bar: usize, _offset: u64, data: &[u8]) {
+//!         // DMA in the handler keeps the example short and works with this test's
+//!         // memfd RAM; a real device does it on a worker thread (with fd-less RAM this
+//!         // fails with EDEADLK: see the guide, section 3).
 //!         let Some(dma) = &self.0 else { return };
 //!         let n = data.first().copied().unwrap_or(0) as u64;
 //!         let _ = dma.read_obj::<u64>(0x1000).and_then(|v| dma.write_obj(0x1000, &(v + n)));
@@ -40,6 +43,8 @@
 //! ```
 //!
 //! In a device crate: `[dev-dependencies] umdev = { version = "…", features = ["testing"] }`.
+//! The [guide](crate::guide) tests a whole device this way: a worker thread, pinned page
+//! arrays, fd-less memory, reset and unmap racing with work in flight.
 //!
 //! What is here, one implementation each:
 //! - [`TestServer`]: a device ([`PciDevice`](crate::pci::PciDevice) through
