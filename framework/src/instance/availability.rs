@@ -99,12 +99,18 @@ mod tests {
 
     #[test]
     fn test_shortfall_names_the_resource_that_ran_out() {
-        let resources = [res("fb", 64), res("slots", 1)];
+        let resources = [res("fb", 40), res("slots", 4)];
         let t = ty(&[("fb", 16), ("slots", 1)]);
-        let used = used(&resources, [t.needs.as_slice()]);
+        let used = used(&resources, [t.needs.as_slice(), t.needs.as_slice()]);
+        // 8 MiB of framebuffer left is not nothing, but less than one instance needs.
         let (r, needed, left) = shortfall(&t, &resources, &used).unwrap();
-        assert_eq!((r.name.as_str(), needed, left), ("slots", 1, 0));
+        assert_eq!((r.name.as_str(), needed, left), ("fb", 16, 8));
         assert_eq!(available(&t, &resources, &used), 0);
+        let slots_only = ty(&[("slots", 2)]);
+        assert!(shortfall(&slots_only, &resources, &used).is_none());
+        let used = self::used(&resources, [slots_only.needs.as_slice(); 2]);
+        let (r, needed, left) = shortfall(&slots_only, &resources, &used).unwrap();
+        assert_eq!((r.name.as_str(), needed, left), ("slots", 2, 0));
     }
 
     #[test]

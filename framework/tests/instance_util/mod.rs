@@ -17,7 +17,8 @@ use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
 pub const REG_ID: u64 = 0x00;
 /// `0x08` ADDR (64-bit): a guest address.
 pub const REG_ADDR: u64 = 0x08;
-/// `0x10` ADD (write `n`): add `n` to the u64 at ADDR, on the connection thread.
+/// `0x10` ADD (write `n`): add `n` to the u64 at ADDR, on the connection thread (a failure
+/// is counted in the parent's `dma_failures`).
 pub const REG_ADD: u64 = 0x10;
 /// `0x18` PIN (write `n`): pin `n` pages from ADDR and keep them (dropped only on reset:
 /// the unmap notifier ignores them, like a buggy device).
@@ -60,6 +61,7 @@ pub struct Probe {
     dma: Option<DmaHandle>,
     pinned: Vec<u64>,
     gate: Arc<Gate>,
+    dma_failures: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl PciDevice for Probe {
@@ -112,6 +114,8 @@ impl PciDevice for Probe {
                     .and_then(|c| dma.write_obj(self.addr, &c.wrapping_add(v)));
                 if let Err(e) = r {
                     tracing::warn!("probe: DMA at {:#x} failed: {e}", self.addr);
+                    self.dma_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 }
             }
             REG_PIN => {
@@ -149,6 +153,8 @@ pub struct ProbeParent {
     /// Devices built and not dropped yet. (`create` panics when the `panic` parameter
     /// is given.)
     pub live: Arc<std::sync::atomic::AtomicUsize>,
+    /// Failed ADD operations of its probes.
+    pub dma_failures: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ProbeParent {
@@ -159,6 +165,7 @@ impl ProbeParent {
             gate: Arc::new(Gate::default()),
             create_delay: Duration::ZERO,
             live: Default::default(),
+            dma_failures: Default::default(),
         }
     }
 }
@@ -266,6 +273,7 @@ impl Parent for ProbeParent {
             dma: None,
             pinned: Vec::new(),
             gate: self.gate.clone(),
+            dma_failures: self.dma_failures.clone(),
         };
         let adapter = PciAdapter::new(probe).map_err(InstanceError::Device)?;
         self.live.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
