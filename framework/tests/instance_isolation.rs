@@ -109,8 +109,8 @@ fn test_isolation_device_panic_other_instance_serves() {
 fn test_isolation_hostile_client_garbage_and_stall_other_instance_serves() {
     let t = two(|_| {});
     let mut b = guest(&t.b.socket);
-    // Garbage bytes instead of VERSION (A waits for the rest of what the garbage announces,
-    // then drops the client).
+    // Garbage bytes instead of VERSION: A answers with errors or waits for the rest of what
+    // the garbage announces; the client's hang-up ends that connection.
     let mut garbage = RawClient::connect(&t.a.socket);
     let noise: Vec<u8> = (0..256u32)
         .map(|i| (i.wrapping_mul(167) ^ 0x5a) as u8)
