@@ -193,12 +193,22 @@ fn test_isolation_stuck_fdless_dma_other_instance_serves() {
     assert_serves(&mut b, 2);
 }
 
+/// Opens a gate when dropped, so that a failing test does not leave a device stuck.
+struct OpenOnDrop(Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 #[test]
 fn test_isolation_stuck_device_other_instance_serves_registry_answers() {
     let t = two(|c| {
         c.release_timeout = Duration::from_millis(200);
         c.teardown_timeout = Duration::from_millis(200);
     });
+    let _open = OpenOnDrop(t.parent.gate.clone());
     let mut b = guest(&t.b.socket);
     let mut a = guest(&t.a.socket);
     // A's device blocks in a register write, holding A's connection thread and device.

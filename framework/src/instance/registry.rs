@@ -52,6 +52,11 @@
 //!
 //! A client that connects while a removal without a client is shutting the server down is
 //! disconnected with the server.
+//!
+//! # Dropping the registry
+//! Stops every instance's server at once and waits up to
+//! [`RegistryConfig::teardown_timeout`] for them; the server of a device stuck in a call is
+//! left behind (logged) rather than waited for without a bound.
 
 use std::fs;
 use std::io;
@@ -650,6 +655,32 @@ impl Registry {
         }
         info!(uuid, "instance removed");
         Ok(report)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let all: Vec<Arc<Instance>> = self.instances.iter().map(|e| e.value().clone()).collect();
+        let served: Vec<(&str, Served)> = all
+            .iter()
+            .filter_map(|i| Some((i.uuid.as_str(), i.served_mut().take()?)))
+            .collect();
+        for (_, s) in &served {
+            s.server.shutdown_handle().shutdown();
+        }
+        let deadline = Instant::now() + self.config.teardown_timeout;
+        for (uuid, s) in served {
+            while !s.server.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if s.server.is_finished() {
+                let _ = s.server.join();
+            } else {
+                error!(uuid, "the device is stuck: its server is left behind");
+                // Not joined: dropping it would wait for the stuck thread.
+                std::mem::forget(s.server);
+            }
+        }
     }
 }
 
