@@ -33,7 +33,7 @@ pub struct ResourceUsage {
 }
 
 /// One instance as `umdev list` shows it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InstanceInfo {
     /// UUID (canonical lowercase hyphenated form).
     pub uuid: String,
@@ -52,7 +52,7 @@ pub struct InstanceInfo {
 }
 
 /// What [`super::Registry::remove`] did.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemovalReport {
     /// The instance removed.
     pub uuid: String,

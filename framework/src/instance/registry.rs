@@ -439,8 +439,8 @@ impl Registry {
     /// and serve it. Checked in this order: the type, the UUID's syntax, the parameters
     /// ([`Parent::check_params`]), the UUID not in use, the resources left (the error names
     /// the one that ran out); then the device is built ([`Parent::create`]) and served on
-    /// `<socket_dir>/<uuid>.sock`. A panic in the parent or the device while this runs is
-    /// an error, and takes nothing.
+    /// `<socket_dir>/<uuid>.sock`. A failure, or a panic in `Parent::create` or in the
+    /// device while it is attached and served, is an error and takes nothing.
     pub fn create(
         &self,
         type_spec: &str,
