@@ -38,6 +38,10 @@
 //! - Parents are in an `RwLock<Vec<_>>`, written only by [`Registry::add_parent`]; calls into
 //!   a parent are made on a cloned `Arc`, not under that lock.
 //!
+//! No `slab`: a slab's dense, reused slot numbers would name nothing here (instances are
+//! addressed, and their sockets named, by UUID; availability is a sum over the map), and a
+//! slab needs one lock around it, which is what the sharded map avoids.
+//!
 //! # Removal with a client attached
 //! As VFIO does when a device is unbound while a user holds it: signal the device-request
 //! IRQ ([`Device::request_release`](crate::device::Device::request_release); QEMU answers
