@@ -10,18 +10,25 @@
 //! maps without fds, DMA is a request to QEMU, which it cannot answer while it waits for
 //! the server to reply to something else (see protocol-docs/server-dma.md).
 //!
-//! `cargo run --example hello` serves the device on a socket and drives it with the
-//! embedded VMM (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve
-//! it, e.g. for QEMU 10.1+ (see the README for the command line).
+//! [`HelloParent`] makes it an mdev-style parent (`umdev::instance`): one type, `hello`, at
+//! most four instances at once, each served on a socket of its own by a `Registry`.
+//!
+//! `cargo run --example hello` serves one instance and drives it with the embedded VMM
+//! (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve the device,
+//! e.g. for QEMU 10.1+ (see the README for the command line).
 //!
 //! The test at the end is how a device author tests a device with `umdev::testing`
 //! (`[dev-dependencies] umdev = { ..., features = ["testing"] }`); it runs with
 //! `cargo test --example hello` and with `cargo test --workspace`.
-use std::{env, path::PathBuf, time::Duration};
+use std::{env, path::PathBuf, sync::Arc, time::Duration};
 
 use crossbeam_channel::Sender;
 
+use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
+use umdev::instance::{
+    CreateRequest, InstanceError, InstanceType, Params, Parent, Registry, RegistryConfig, Resource,
+};
 use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
 use umdev::server::{Server, ServerConfig};
@@ -116,6 +123,39 @@ fn add_to_counter(dma: &DmaHandle, irq: &Interrupts, addr: u64, add: u64) {
     }
 }
 
+/// The hello device as a parent: one type, `hello`, and four slots, one per instance. The
+/// default `check_params` takes no parameters.
+struct HelloParent;
+
+impl Parent for HelloParent {
+    fn name(&self) -> &str {
+        "hello"
+    }
+
+    fn resources(&self) -> Vec<Resource> {
+        let slots = Resource {
+            name: "slots".into(),
+            unit: "slots".into(),
+            total: 4,
+        };
+        vec![slots]
+    }
+
+    fn types(&self) -> Vec<InstanceType> {
+        vec![InstanceType {
+            name: "hello".into(),
+            description: "the hello counter device".into(),
+            device_api: "vfio-pci".into(),
+            needs: vec![("slots".into(), 1)],
+        }]
+    }
+
+    fn create(&self, _req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
+        let device = PciAdapter::new(Hello::default()).map_err(InstanceError::Device)?;
+        Ok(Box::new(device))
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -132,18 +172,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => dir.path().join("hello.sock"),
     };
 
-    // Before any thread starts, so that Ctrl-C/SIGTERM reach `serve_until_signal`.
-    let signals = serve_only.then(TerminationSignals::block);
-    let device = PciAdapter::new(Hello::default())?;
-    let dma = DmaSpace::new(DmaConfig::default());
-    let server = Server::new(ServerConfig::new(&socket), Box::new(device), dma.clone()).spawn()?;
-    if let Some(signals) = signals {
+    if serve_only {
+        // Before any thread starts, so that Ctrl-C/SIGTERM reach `serve_until_signal`.
+        let signals = TerminationSignals::block();
+        let device = PciAdapter::new(Hello::default())?;
+        let dma = DmaSpace::new(DmaConfig::default());
+        let server =
+            Server::new(ServerConfig::new(&socket), Box::new(device), dma.clone()).spawn()?;
         println!("serving hello on {} (Ctrl-C to stop)", socket.display());
         return Ok(signals.serve_until_signal(server, &dma)?);
     }
 
+    // One instance of the hello parent, as `umdev daemon` would serve it.
+    let registry = Registry::new(RegistryConfig::new(dir.path()))?;
+    registry.add_parent(Arc::new(HelloParent))?;
+    let instance = registry.create("hello", None, &Params::new())?;
+    println!(
+        "instance {} on {}",
+        instance.uuid,
+        instance.socket.display()
+    );
+
     // Play VMM and guest driver: 1 MiB of guest RAM at 1 GiB, counter at its start.
-    let mut vmm = Vmm::connect(&socket)?.with_ram(1 << 30, 1 << 20)?;
+    let mut vmm = Vmm::connect(&instance.socket)?.with_ram(1 << 30, 1 << 20)?;
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;
     println!("ID register: {:#x}", vmm.read32(0, REG_ID)?);
@@ -156,7 +207,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("doorbell +{add}: counter = {counter}, MSI fired: {fired}");
     }
     drop(vmm);
-    server.shutdown()?;
+    registry.remove(&instance.uuid, false)?;
     Ok(())
 }
 
@@ -186,6 +237,34 @@ mod tests {
         vmm.write32(0, REG_DOORBELL, 1)?;
         assert_eq!(wait_eventfd(&msi, Duration::from_millis(50)), None);
         assert_eq!(vmm.read32(0, REG_ID)?, MAGIC);
+        Ok(())
+    }
+
+    #[test]
+    fn test_hello_parent_four_instances_each_counts_on_its_own(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let registry = Registry::new(RegistryConfig::new(dir.path()))?;
+        registry.add_parent(Arc::new(HelloParent))?;
+        let instances: Vec<_> = (0..4)
+            .map(|_| registry.create("hello", None, &Params::new()))
+            .collect::<Result<_, _>>()?;
+        assert_eq!(registry.types()[0].available_instances, 0);
+        assert!(matches!(
+            registry.create("hello", None, &Params::new()),
+            Err(InstanceError::Exhausted { .. })
+        ));
+        // Each instance is a device of its own: its own socket, guest memory and counter.
+        for (i, instance) in instances.iter().enumerate() {
+            let mut vmm = Vmm::connect(&instance.socket)?.with_ram(1 << 30, 1 << 20)?;
+            vmm.enable_device()?;
+            vmm.write64(0, REG_ADDR, 1 << 30)?;
+            vmm.write32(0, REG_DOORBELL, i as u32 + 1)?;
+            let counted = || vmm.ram().read_u64(1 << 30).ok() == Some(i as u64 + 1);
+            assert!(umdev::testing::wait_until(Duration::from_secs(2), counted));
+        }
+        registry.remove(&instances[0].uuid, false)?;
+        assert_eq!(registry.types()[0].available_instances, 1);
         Ok(())
     }
 }

@@ -220,6 +220,17 @@ pub trait Device: Send {
 
     /// The client disconnected: drop eventfds and per-connection state; keep device state.
     fn disconnected(&mut self) {}
+
+    /// Ask the client to release the device, as VFIO's device request does: signal the
+    /// request IRQ (index [`irq_index::REQ`]), which QEMU answers by hot-unplugging the
+    /// device. Called when the device is about to be removed while a client is attached
+    /// (by [`crate::server::RunningServer::request_release`], under the same lock as every
+    /// other call, but not necessarily from the connection thread). True if the request was
+    /// signalled (the client attached an eventfd to it). Default: false, no request IRQ;
+    /// [`crate::pci::PciAdapter`] implements it.
+    fn request_release(&mut self) -> bool {
+        false
+    }
 }
 
 impl<T: Device + ?Sized> Device for Box<T> {
@@ -251,6 +262,9 @@ impl<T: Device + ?Sized> Device for Box<T> {
     }
     fn disconnected(&mut self) {
         (**self).disconnected()
+    }
+    fn request_release(&mut self) -> bool {
+        (**self).request_release()
     }
 }
 

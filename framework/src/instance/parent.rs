@@ -88,6 +88,31 @@ pub enum InstanceError {
     /// Building the device failed.
     #[error("creating the device failed")]
     Device(#[source] DeviceError),
+    /// A bare type name that several parents offer: address it as `<parent>/<type>`.
+    #[error("type {name:?} is offered by several parents ({}): say <parent>/{name}", parents.join(", "))]
+    AmbiguousType {
+        /// The bare type name.
+        name: String,
+        /// The parents that offer it.
+        parents: Vec<String>,
+    },
+    /// A parent that cannot be registered (duplicate name, inconsistent declarations).
+    #[error("parent {parent:?} cannot be registered: {why}")]
+    InvalidParent {
+        /// The parent's name.
+        parent: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The device did not finish its teardown in time (it is stuck in a call): the
+    /// instance stays registered, with its resources, until a later removal succeeds.
+    #[error("instance {uuid}: the device did not finish its teardown within {waited:?}")]
+    Stuck {
+        /// The instance.
+        uuid: String,
+        /// How long the registry waited.
+        waited: std::time::Duration,
+    },
     /// An I/O error (sockets, files).
     #[error("{what}")]
     Io {

@@ -383,4 +383,14 @@ impl<D: PciDevice> Device for PciAdapter<D> {
         self.irq.disconnect();
         self.dev.disconnected();
     }
+
+    /// Signals the request IRQ (index 4) through [`Interrupts::trigger_request`].
+    fn request_release(&mut self) -> bool {
+        let signalled = self.interrupts().trigger_request();
+        tracing::info!(
+            signalled,
+            "device request IRQ: asking the client to release the device"
+        );
+        signalled
+    }
 }

@@ -1,12 +1,20 @@
 //! [`Server`]: owns the device and the DMA space, accepts one client at a time; and the
 //! [`RunningServer`] / [`ShutdownHandle`] returned by [`Server::spawn`].
+//!
+//! A client is *attached* from the moment its connection is accepted until that
+//! connection's teardown has finished (DMA maps removed through the device's unmap
+//! notifier, leftover pins force-released, IRQ fds dropped): [`RunningServer::client_attached`]
+//! turns false only once nothing of the client is left. The flag is cleared by a guard
+//! owned by the connection thread, so it is cleared however the thread ends (a panic
+//! included). [`RunningServer::disconnect_client`] closes the client's socket the way
+//! shutdown does, but the server keeps listening and serves the next client.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::{error, info, info_span, warn};
 use vmm_sys_util::eventfd::EventFd;
@@ -32,6 +40,44 @@ struct StopState {
     /// Weak: the connection's socket fds close as soon as its thread ends, not when
     /// the next client arrives.
     active: Mutex<Option<Weak<Channel>>>,
+    /// True from accept until the connection's teardown has finished.
+    attached: Mutex<bool>,
+    /// Notified when `attached` turns false.
+    detached: Condvar,
+}
+
+impl StopState {
+    fn attached(&self) -> MutexGuard<'_, bool> {
+        self.attached.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Close the active connection, if any; true if there was one to close.
+    fn close_active(&self) -> bool {
+        let chan = self
+            .active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(Weak::upgrade);
+        match chan {
+            Some(c) if !c.is_closed() => {
+                c.close();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Owned by a connection thread: marks the client detached when the thread ends, whether
+/// it returns or unwinds.
+struct AttachedGuard(Arc<StopState>);
+
+impl Drop for AttachedGuard {
+    fn drop(&mut self) {
+        *self.0.attached() = false;
+        self.0.detached.notify_all();
+    }
 }
 
 /// Stops a running server: closes the active connection and the listener.
@@ -45,16 +91,7 @@ impl ShutdownHandle {
     pub fn shutdown(&self) {
         self.state.stop.store(true, Ordering::Release);
         let _ = self.state.wake.write(1);
-        if let Some(c) = self
-            .state
-            .active
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .and_then(Weak::upgrade)
-        {
-            c.close();
-        }
+        self.state.close_active();
     }
 }
 
@@ -63,6 +100,8 @@ pub struct RunningServer {
     path: PathBuf,
     shutdown: ShutdownHandle,
     thread: Option<JoinHandle<Result<(), ServerError>>>,
+    /// Weak: the device is dropped when the server thread ends, as it always was.
+    device: Weak<Mutex<Box<dyn Device>>>,
 }
 
 impl RunningServer {
@@ -88,6 +127,80 @@ impl RunningServer {
     pub fn shutdown(self) -> Result<(), ServerError> {
         self.shutdown.shutdown();
         self.join()
+    }
+
+    /// True once the server thread has ended (after a shutdown, or a fatal error); then
+    /// [`RunningServer::join`] returns at once.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// True while a client is attached: from its accept until its connection's teardown
+    /// has finished (maps removed, pins released, IRQ fds dropped).
+    pub fn client_attached(&self) -> bool {
+        *self.shutdown.state.attached()
+    }
+
+    /// Wait up to `timeout` for the attached client (if any) to be gone, teardown done;
+    /// true if no client is attached on return.
+    pub fn wait_client_gone(&self, timeout: Duration) -> bool {
+        let state = &self.shutdown.state;
+        let deadline = Instant::now() + timeout;
+        let mut attached = state.attached();
+        while *attached {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            attached = state
+                .detached
+                .wait_timeout(attached, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Close the attached client's connection without stopping the server: its
+    /// connection thread finishes the message in hand, then runs the usual teardown
+    /// (the device's unmap notifier, forced release of leftover pins, IRQ fds dropped),
+    /// and the server accepts the next client. True if a connection was closed. Use
+    /// [`RunningServer::wait_client_gone`] to wait for the teardown.
+    pub fn disconnect_client(&self) -> bool {
+        let closed = self.shutdown.state.close_active();
+        if closed {
+            info!(path = %self.path.display(), "disconnecting the client");
+        }
+        closed
+    }
+
+    /// Ask the attached client to release the device ([`Device::request_release`]: the
+    /// device-request IRQ for a PCI device). The device is locked for the call; the lock is
+    /// waited for at most `within` (the connection thread holds it while it handles a
+    /// message, and a stuck device holds it for ever). True if the request was signalled.
+    pub fn request_release(&self, within: Duration) -> bool {
+        let Some(device) = self.device.upgrade() else {
+            return false;
+        };
+        let deadline = Instant::now() + within;
+        loop {
+            match device.try_lock() {
+                Ok(mut d) => return d.request_release(),
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    return p.into_inner().request_release()
+                }
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    warn!(
+                        path = %self.path.display(),
+                        "the device stayed busy: release request not signalled"
+                    );
+                    return false;
+                }
+            }
+        }
     }
 }
 
@@ -123,17 +236,21 @@ impl Server {
             .map_err(|e| ServerError::io("configuring the listener", e))?;
         let mut device = self.device;
         device.attach(self.dma.handle());
+        let device = Arc::new(Mutex::new(device));
         let state = Arc::new(StopState {
             stop: AtomicBool::new(false),
             wake: EventFd::new(libc::EFD_CLOEXEC)
                 .map_err(|e| ServerError::io("creating the shutdown eventfd", e))?,
             active: Mutex::new(None),
+            attached: Mutex::new(false),
+            detached: Condvar::new(),
         });
         let path = listener.path().to_path_buf();
         info!(path = %path.display(), "listening");
         let st = state.clone();
         let config = self.config;
         let dma = self.dma;
+        let weak_device = Arc::downgrade(&device);
         let thread = std::thread::Builder::new()
             .name("umdev-server".into())
             .spawn(move || accept_loop(listener, device, dma, config, st))
@@ -142,6 +259,7 @@ impl Server {
             path,
             shutdown: ShutdownHandle { state },
             thread: Some(thread),
+            device: weak_device,
         })
     }
 
@@ -179,14 +297,13 @@ fn poll_two(a: i32, b: i32) -> std::io::Result<(bool, bool)> {
 
 fn accept_loop(
     listener: SocketListener,
-    device: Box<dyn Device>,
+    device: Arc<Mutex<Box<dyn Device>>>,
     dma: Arc<DmaSpace>,
     config: ServerConfig,
     state: Arc<StopState>,
 ) -> Result<(), ServerError> {
     let span = info_span!("server", socket = %listener.path().display());
     let _enter = span.enter();
-    let device = Arc::new(Mutex::new(device));
     let mut current: Option<(Weak<Channel>, JoinHandle<()>)> = None;
     let result = loop {
         if state.stop.load(Ordering::Acquire) {
@@ -247,11 +364,15 @@ fn accept_loop(
             }
         };
         *state.active.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::downgrade(&chan));
+        *state.attached() = true;
+        // Dropped when the connection thread ends (or with the closure if it never starts).
+        let attached = AttachedGuard(state.clone());
         let conn = Connection::new(chan.clone(), device.clone(), dma.clone(), config.clone());
         let span = span.clone();
         match std::thread::Builder::new()
             .name("umdev-conn".into())
             .spawn(move || {
+                let _attached = attached;
                 let _e = span.enter();
                 conn.run()
             }) {

@@ -64,6 +64,9 @@ impl<D: Device> Device for SharedDevice<D> {
     fn disconnected(&mut self) {
         lock(&self.0).disconnected()
     }
+    fn request_release(&mut self) -> bool {
+        lock(&self.0).request_release()
+    }
 }
 
 /// A running server with its device, on `dev.sock` in a temp dir that is removed on drop.

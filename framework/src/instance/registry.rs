@@ -1,0 +1,699 @@
+//! The instance registry: parents, their types and the live instances by UUID.
+//!
+//! # Model
+//! A [`Registry`] holds the registered [`Parent`]s and a map UUID → instance. An instance
+//! is a device built by [`Parent::create`] and served exactly as a single device is served
+//! alone: its own socket (`<socket_dir>/<uuid>.sock`), its own [`DmaSpace`] (configured by
+//! [`RegistryConfig::dma`]), its own [`Server`] with its threads, one client at a time,
+//! reconnects. The registry is a layer *above* `server`: nothing below it knows about
+//! instances, and instances share no lock, thread or socket with each other.
+//!
+//! # Invariants
+//! - **Availability is derived, never counted.** What a parent's instances use of each
+//!   resource is summed from the map's entries on every query (each entry keeps the needs
+//!   of the type it was created as); a type's `available_instances` is what is left divided
+//!   by what one instance needs. Removing an entry gives its share back by construction.
+//! - **An entry exists from admission to the end of its removal.** [`Registry::create`]
+//!   inserts the entry (state *creating*, no server yet) once the UUID is free and the
+//!   resources are there, *then* builds the device and starts its server; a failure or a
+//!   panic in either removes the entry again. So a slow `Parent::create` holds its share
+//!   while it runs, and two creates can never both take the last share.
+//! - **Removal gives the resources back only after the device is gone**: the server is
+//!   stopped and joined (which drops the device, and with it whatever the device borrowed
+//!   from its parent) before the entry leaves the map.
+//! - The UUID is the canonical lowercase hyphenated form; the same UUID in another
+//!   spelling is the same instance.
+//!
+//! # Locking
+//! - The map is a `DashMap` (sharded locks): lookups and listings of different instances do
+//!   not contend, and no map guard is ever held across a call into a device, a parent or a
+//!   server, nor across a wait. Instances are `Arc`s cloned out of the map.
+//! - `admission` (a mutex) serializes only the check-and-insert of a create: UUID free,
+//!   instance limit, resources left, insert. It is held for that computation alone, never
+//!   while a device is built or a server starts or stops.
+//! - Each instance's served part (server and DMA space) is behind its own `RwLock`: listings
+//!   read it; a removal reads it while it waits for the client, and writes it only to take
+//!   the server out once the client is gone. A `removing` flag keeps a second removal of
+//!   the same instance out (it gets `Busy`).
+//! - Parents are in an `RwLock<Vec<_>>`, written only by [`Registry::add_parent`]; calls into
+//!   a parent are made on a cloned `Arc`, not under that lock.
+//!
+//! No `slab`: a slab's dense, reused slot numbers would name nothing here (instances are
+//! addressed, and their sockets named, by UUID; availability is a sum over the map), and a
+//! slab needs one lock around it, which is what the sharded map avoids.
+//!
+//! # Removal with a client attached
+//! As VFIO does when a device is unbound while a user holds it: signal the device-request
+//! IRQ ([`Device::request_release`](crate::device::Device::request_release); QEMU answers
+//! by hot-unplugging the device), wait up to [`RegistryConfig::release_timeout`] for the
+//! client to leave, then refuse with [`InstanceError::Busy`] (the instance stays, served)
+//! unless forced. A forced removal disconnects the client; the server's teardown then runs
+//! the device's unmap notifier and force-releases the pins it left, as on any disconnect,
+//! and the removal is logged with what it released. A device that does not finish its
+//! teardown within [`RegistryConfig::teardown_timeout`] (stuck in a call) makes the removal
+//! fail with [`InstanceError::Stuck`]; the instance then stays registered, its resources
+//! taken, until a later removal succeeds.
+//!
+//! A client that connects while a removal without a client is shutting the server down is
+//! disconnected with the server.
+//!
+//! # Dropping the registry
+//! Stops every instance's server at once and waits up to
+//! [`RegistryConfig::teardown_timeout`] for them; the server of a device stuck in a call is
+//! left behind (logged) rather than waited for without a bound.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::DirBuilderExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use tracing::{error, info, warn};
+
+use super::availability;
+use super::info::{InstanceInfo, RemovalReport, ResourceUsage, TypeInfo};
+use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
+use crate::device::DeviceError;
+use crate::dma::{DmaConfig, DmaSpace};
+use crate::server::{RunningServer, Server, ServerConfig};
+
+/// Name of the registry's own limit when it is what runs out ([`InstanceError::Exhausted`]).
+pub const INSTANCES_RESOURCE: &str = "instances";
+
+/// How a [`Registry`] serves its instances.
+#[derive(Clone, Debug)]
+pub struct RegistryConfig {
+    /// Directory of the instance sockets (`<uuid>.sock`); created with mode 0700 if
+    /// missing.
+    pub socket_dir: PathBuf,
+    /// Server configuration of every instance (its `socket_path` is replaced by the
+    /// instance's socket).
+    pub server: ServerConfig,
+    /// Configuration of every instance's DMA space.
+    pub dma: DmaConfig,
+    /// How long a removal waits for an attached client to let go after the device-request
+    /// IRQ (default 10 s: a guest's PCIe hotplug driver waits 5 s after the attention
+    /// button before it ejects).
+    pub release_timeout: Duration,
+    /// How long a removal waits for the server's teardown once the client is gone or
+    /// disconnected (default 5 s).
+    pub teardown_timeout: Duration,
+    /// Most instances at once, over all parents (default 1024).
+    pub max_instances: usize,
+}
+
+impl RegistryConfig {
+    /// Defaults, with sockets in `socket_dir`.
+    pub fn new(socket_dir: impl Into<PathBuf>) -> RegistryConfig {
+        RegistryConfig {
+            socket_dir: socket_dir.into(),
+            server: ServerConfig::new(""),
+            dma: DmaConfig::default(),
+            release_timeout: Duration::from_secs(10),
+            teardown_timeout: Duration::from_secs(5),
+            max_instances: 1024,
+        }
+    }
+}
+
+/// The server and DMA space of an instance, present once it is served.
+struct Served {
+    server: RunningServer,
+    dma: Arc<DmaSpace>,
+}
+
+/// One entry of the map.
+struct Instance {
+    uuid: String,
+    parent: String,
+    type_name: String,
+    /// The needs of the type as it was when the instance was created (what it holds).
+    needs: Vec<(String, u64)>,
+    params: Params,
+    socket: PathBuf,
+    /// `None` while being created, and during the end of a removal.
+    served: RwLock<Option<Served>>,
+    /// A removal is under way.
+    removing: AtomicBool,
+}
+
+impl Instance {
+    fn served(&self) -> RwLockReadGuard<'_, Option<Served>> {
+        self.served.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn served_mut(&self) -> RwLockWriteGuard<'_, Option<Served>> {
+        self.served.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Its listing, or `None` while it is being created.
+    fn info(&self) -> Option<InstanceInfo> {
+        let served = self.served();
+        let s = served.as_ref()?;
+        Some(InstanceInfo {
+            uuid: self.uuid.clone(),
+            parent: self.parent.clone(),
+            type_name: self.type_name.clone(),
+            params: self.params.clone(),
+            socket: self.socket.clone(),
+            client_attached: s.server.client_attached(),
+            dma: s.dma.stats(),
+        })
+    }
+}
+
+/// The parents and the instances of one daemon. `Sync`: share it (`Arc`) between the
+/// threads that serve control requests.
+pub struct Registry {
+    config: RegistryConfig,
+    parents: RwLock<Vec<Arc<dyn Parent>>>,
+    instances: DashMap<String, Arc<Instance>>,
+    admission: Mutex<()>,
+}
+
+/// Removes a creating entry unless disarmed (a failed or panicking create).
+struct Reservation<'a> {
+    registry: &'a Registry,
+    uuid: &'a str,
+    armed: bool,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.registry.instances.remove(self.uuid);
+        }
+    }
+}
+
+/// Clears an instance's `removing` flag unless disarmed (a removal that gave up).
+struct Removing<'a> {
+    instance: &'a Instance,
+    armed: bool,
+}
+
+impl Drop for Removing<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.instance.removing.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// The canonical form of a UUID the admin gave.
+fn canonical_uuid(s: &str) -> Result<String, InstanceError> {
+    uuid::Uuid::parse_str(s)
+        .map(|u| u.hyphenated().to_string())
+        .map_err(|e| InstanceError::BadParam {
+            name: "uuid".into(),
+            why: format!("{s:?} is not a UUID: {e}"),
+        })
+}
+
+/// A name the CLI can address: not empty, no `/`, no whitespace or control characters.
+fn check_name(what: &str, name: &str) -> Result<(), String> {
+    if name.is_empty()
+        || name
+            .chars()
+            .any(|c| c == '/' || c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "{what} name {name:?} must be non-empty, without '/' or whitespace"
+        ));
+    }
+    Ok(())
+}
+
+/// Check a parent's declarations: names, uniqueness, needs of declared resources.
+fn check_parent(parent: &dyn Parent) -> Result<(), String> {
+    check_name("parent", parent.name())?;
+    let resources = parent.resources();
+    for (i, r) in resources.iter().enumerate() {
+        check_name("resource", &r.name)?;
+        if resources[..i].iter().any(|o| o.name == r.name) {
+            return Err(format!("resource {:?} is declared twice", r.name));
+        }
+    }
+    let types = parent.types();
+    for (i, t) in types.iter().enumerate() {
+        check_name("type", &t.name)?;
+        if types[..i].iter().any(|o| o.name == t.name) {
+            return Err(format!("type {:?} is declared twice", t.name));
+        }
+        for (need, _) in &t.needs {
+            if !resources.iter().any(|r| &r.name == need) {
+                return Err(format!(
+                    "type {:?} needs {need:?}, which the parent does not declare",
+                    t.name
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+impl Registry {
+    /// An empty registry; creates the socket directory (mode 0700) if it is missing.
+    pub fn new(config: RegistryConfig) -> Result<Registry, InstanceError> {
+        if !config.socket_dir.is_dir() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&config.socket_dir)
+                .map_err(|source| InstanceError::Io {
+                    what: format!(
+                        "creating the socket directory {}",
+                        config.socket_dir.display()
+                    ),
+                    source,
+                })?;
+        }
+        Ok(Registry {
+            config,
+            parents: RwLock::new(Vec::new()),
+            instances: DashMap::new(),
+            admission: Mutex::new(()),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RegistryConfig {
+        &self.config
+    }
+
+    fn parents(&self) -> Vec<Arc<dyn Parent>> {
+        self.parents
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Register a parent. Its name must be new; its names must be addressable (no `/`, no
+    /// whitespace) and unique, and every need of a type must name a declared resource.
+    pub fn add_parent(&self, parent: Arc<dyn Parent>) -> Result<(), InstanceError> {
+        let invalid = |why: String| InstanceError::InvalidParent {
+            parent: parent.name().to_owned(),
+            why,
+        };
+        check_parent(parent.as_ref()).map_err(invalid)?;
+        let mut parents = self.parents.write().unwrap_or_else(|p| p.into_inner());
+        if parents.iter().any(|p| p.name() == parent.name()) {
+            return Err(invalid("a parent of that name is registered".into()));
+        }
+        info!(parent = parent.name(), "parent registered");
+        parents.push(parent);
+        Ok(())
+    }
+
+    /// Names of the registered parents, in registration order.
+    pub fn parent_names(&self) -> Vec<String> {
+        self.parents().iter().map(|p| p.name().to_owned()).collect()
+    }
+
+    /// What the entries of `parent` (live and being created) use of each of `resources`.
+    fn usage(&self, parent: &str, resources: &[Resource]) -> Vec<u64> {
+        let takers: Vec<Vec<(String, u64)>> = self
+            .instances
+            .iter()
+            .filter(|e| e.value().parent == parent)
+            .map(|e| e.value().needs.clone())
+            .collect();
+        availability::used(resources, takers.iter().map(Vec::as_slice))
+    }
+
+    /// Room left under the registry's instance limit.
+    fn room(&self) -> u64 {
+        self.config
+            .max_instances
+            .saturating_sub(self.instances.len()) as u64
+    }
+
+    /// Every type of every parent with its availability, computed now.
+    pub fn types(&self) -> Vec<TypeInfo> {
+        let mut out = Vec::new();
+        for parent in self.parents() {
+            let resources = parent.resources();
+            let used = self.usage(parent.name(), &resources);
+            let room = self.room();
+            for t in parent.types() {
+                out.push(TypeInfo {
+                    parent: parent.name().to_owned(),
+                    available_instances: availability::available(&t, &resources, &used).min(room),
+                    instance_type: t,
+                });
+            }
+        }
+        out
+    }
+
+    /// Every resource of every parent with what its instances use of it, computed now.
+    pub fn resources(&self) -> Vec<ResourceUsage> {
+        let mut out = Vec::new();
+        for parent in self.parents() {
+            let resources = parent.resources();
+            let used = self.usage(parent.name(), &resources);
+            for (resource, used) in resources.into_iter().zip(used) {
+                out.push(ResourceUsage {
+                    parent: parent.name().to_owned(),
+                    resource,
+                    used,
+                });
+            }
+        }
+        out
+    }
+
+    /// Resolve `<parent>/<type>`, or a bare type name that one parent alone offers.
+    fn resolve(&self, spec: &str) -> Result<(Arc<dyn Parent>, InstanceType), InstanceError> {
+        let parents = self.parents();
+        let unknown = || InstanceError::UnknownType(spec.to_owned());
+        if let Some((pname, tname)) = spec.split_once('/') {
+            let parent = parents
+                .into_iter()
+                .find(|p| p.name() == pname)
+                .ok_or_else(unknown)?;
+            let t = parent
+                .types()
+                .into_iter()
+                .find(|t| t.name == tname)
+                .ok_or_else(unknown)?;
+            return Ok((parent, t));
+        }
+        let mut found: Vec<(Arc<dyn Parent>, InstanceType)> = parents
+            .into_iter()
+            .filter_map(|p| {
+                let t = p.types().into_iter().find(|t| t.name == spec)?;
+                Some((p, t))
+            })
+            .collect();
+        match found.len() {
+            0 => Err(unknown()),
+            1 => Ok(found.remove(0)),
+            _ => Err(InstanceError::AmbiguousType {
+                name: spec.to_owned(),
+                parents: found.iter().map(|(p, _)| p.name().to_owned()).collect(),
+            }),
+        }
+    }
+
+    /// Check-and-insert under the admission lock: the UUID is free, the instance limit and
+    /// the parent's resources leave room for one more instance of `ty`.
+    fn admit(
+        &self,
+        ty: &InstanceType,
+        resources: &[Resource],
+        instance: Arc<Instance>,
+    ) -> Result<(), InstanceError> {
+        let _admission = self.admission.lock().unwrap_or_else(|p| p.into_inner());
+        if self.instances.contains_key(&instance.uuid) {
+            return Err(InstanceError::UuidInUse(instance.uuid.clone()));
+        }
+        let exhausted =
+            |resource: &str, unit: &str, needed: u64, left: u64| InstanceError::Exhausted {
+                type_name: ty.name.clone(),
+                resource: resource.to_owned(),
+                unit: unit.to_owned(),
+                needed,
+                left,
+            };
+        if self.room() == 0 {
+            return Err(exhausted(INSTANCES_RESOURCE, INSTANCES_RESOURCE, 1, 0));
+        }
+        let used = self.usage(&instance.parent, resources);
+        if let Some((r, needed, left)) = availability::shortfall(ty, resources, &used) {
+            return Err(exhausted(&r.name, &r.unit, needed, left));
+        }
+        self.instances.insert(instance.uuid.clone(), instance);
+        Ok(())
+    }
+
+    /// Create an instance of `type_spec` (`<parent>/<type>`, or the bare type name when one
+    /// parent alone offers it) with `uuid` (a new random v4 UUID if `None`) and `params`,
+    /// and serve it. Checked in this order: the type, the UUID's syntax, the parameters
+    /// ([`Parent::check_params`]), the UUID not in use, the resources left (the error names
+    /// the one that ran out); then the device is built ([`Parent::create`]) and served on
+    /// `<socket_dir>/<uuid>.sock`. A failure, or a panic in `Parent::create` or in the
+    /// device while it is attached and served, is an error and takes nothing.
+    pub fn create(
+        &self,
+        type_spec: &str,
+        uuid: Option<&str>,
+        params: &Params,
+    ) -> Result<InstanceInfo, InstanceError> {
+        let (parent, ty) = self.resolve(type_spec)?;
+        let uuid = match uuid {
+            Some(u) => canonical_uuid(u)?,
+            None => uuid::Uuid::new_v4().hyphenated().to_string(),
+        };
+        parent.check_params(&ty.name, params)?;
+        let resources = parent.resources();
+        let instance = Arc::new(Instance {
+            uuid: uuid.clone(),
+            parent: parent.name().to_owned(),
+            type_name: ty.name.clone(),
+            needs: ty.needs.clone(),
+            params: params.clone(),
+            socket: self.config.socket_dir.join(format!("{uuid}.sock")),
+            served: RwLock::new(None),
+            removing: AtomicBool::new(false),
+        });
+        self.admit(&ty, &resources, instance.clone())?;
+        let mut reservation = Reservation {
+            registry: self,
+            uuid: &uuid,
+            armed: true,
+        };
+        let served = catch_unwind(AssertUnwindSafe(|| self.serve(parent.as_ref(), &instance)))
+            .unwrap_or_else(|p| {
+                let why = format!(
+                    "parent {} panicked creating a {} instance: {}",
+                    parent.name(),
+                    ty.name,
+                    panic_message(p.as_ref())
+                );
+                error!("{why}");
+                Err(InstanceError::Device(DeviceError::Io(io::Error::other(
+                    why,
+                ))))
+            })?;
+        let info = InstanceInfo {
+            uuid: uuid.clone(),
+            parent: instance.parent.clone(),
+            type_name: instance.type_name.clone(),
+            params: instance.params.clone(),
+            socket: instance.socket.clone(),
+            client_attached: served.server.client_attached(),
+            dma: served.dma.stats(),
+        };
+        *instance.served_mut() = Some(served);
+        reservation.armed = false;
+        info!(
+            uuid,
+            parent = parent.name(),
+            r#type = ty.name,
+            socket = %instance.socket.display(),
+            "instance created"
+        );
+        Ok(info)
+    }
+
+    /// Build the device and start its server.
+    fn serve(&self, parent: &dyn Parent, instance: &Instance) -> Result<Served, InstanceError> {
+        let device = parent.create(CreateRequest {
+            uuid: &instance.uuid,
+            type_name: &instance.type_name,
+            params: &instance.params,
+        })?;
+        let dma = DmaSpace::new(self.config.dma.clone());
+        let mut config = self.config.server.clone();
+        config.socket_path = instance.socket.clone();
+        let server = Server::new(config, device, dma.clone())
+            .spawn()
+            .map_err(|e| InstanceError::Io {
+                what: format!(
+                    "serving instance {} on {}",
+                    instance.uuid,
+                    instance.socket.display()
+                ),
+                source: io::Error::other(e),
+            })?;
+        Ok(Served { server, dma })
+    }
+
+    /// Every served instance, by UUID.
+    pub fn instances(&self) -> Vec<InstanceInfo> {
+        let all: Vec<Arc<Instance>> = self.instances.iter().map(|e| e.value().clone()).collect();
+        let mut out: Vec<InstanceInfo> = all.iter().filter_map(|i| i.info()).collect();
+        out.sort_by(|a, b| a.uuid.cmp(&b.uuid));
+        out
+    }
+
+    fn get(&self, uuid: &str) -> Result<Arc<Instance>, InstanceError> {
+        let no_such = || InstanceError::NoSuchInstance(uuid.to_owned());
+        let key = canonical_uuid(uuid).map_err(|_| no_such())?;
+        self.instances
+            .get(&key)
+            .map(|e| e.value().clone())
+            .ok_or_else(no_such)
+    }
+
+    /// One served instance.
+    pub fn instance(&self, uuid: &str) -> Result<InstanceInfo, InstanceError> {
+        self.get(uuid)?
+            .info()
+            .ok_or_else(|| InstanceError::NoSuchInstance(uuid.to_owned()))
+    }
+
+    /// Remove an instance (see the module docs for the protocol with an attached client).
+    /// Without `force`, a client that does not let go within the release timeout makes
+    /// this fail with [`InstanceError::Busy`] and the instance stays served; with `force`
+    /// the client is disconnected.
+    pub fn remove(&self, uuid: &str, force: bool) -> Result<RemovalReport, InstanceError> {
+        let instance = self.get(uuid)?;
+        let uuid = instance.uuid.as_str();
+        let busy = || InstanceError::Busy(uuid.to_owned());
+        if instance.removing.swap(true, Ordering::AcqRel) {
+            return Err(busy()); // another removal is under way
+        }
+        let mut removing = Removing {
+            instance: &instance,
+            armed: true,
+        };
+        let start = Instant::now();
+        let mut report = RemovalReport {
+            uuid: uuid.to_owned(),
+            client_was_attached: false,
+            release_requested: false,
+            waited: Duration::ZERO,
+            forced: false,
+            dma: Default::default(),
+        };
+        {
+            let served = instance.served();
+            let Some(s) = served.as_ref() else {
+                return Err(busy()); // still being created
+            };
+            report.client_was_attached = s.server.client_attached();
+            if report.client_was_attached {
+                let timeout = self.config.release_timeout;
+                report.release_requested = s.server.request_release(timeout);
+                if report.release_requested {
+                    info!(
+                        uuid,
+                        "removal: device request IRQ signalled, waiting for the client"
+                    );
+                } else {
+                    warn!(
+                        uuid,
+                        "removal: the client has no request IRQ registered; waiting for it to leave"
+                    );
+                }
+                let gone = s
+                    .server
+                    .wait_client_gone(timeout.saturating_sub(start.elapsed()));
+                report.waited = start.elapsed();
+                if !gone {
+                    if !force {
+                        warn!(uuid, waited = ?report.waited, "removal refused: the client did not release the device");
+                        return Err(busy());
+                    }
+                    report.forced = true;
+                    s.server.disconnect_client();
+                    if !s.server.wait_client_gone(self.config.teardown_timeout) {
+                        error!(
+                            uuid,
+                            "forced removal: the device did not finish the client's teardown"
+                        );
+                        return Err(InstanceError::Stuck {
+                            uuid: uuid.to_owned(),
+                            waited: self.config.teardown_timeout,
+                        });
+                    }
+                }
+            }
+        }
+        let Some(served) = instance.served_mut().take() else {
+            return Err(busy());
+        };
+        served.server.shutdown_handle().shutdown();
+        let deadline = Instant::now() + self.config.teardown_timeout;
+        while !served.server.is_finished() {
+            if Instant::now() >= deadline {
+                error!(
+                    uuid,
+                    "removal: the server did not stop; the instance stays registered"
+                );
+                *instance.served_mut() = Some(served);
+                return Err(InstanceError::Stuck {
+                    uuid: uuid.to_owned(),
+                    waited: self.config.teardown_timeout,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if let Err(e) = served.server.join() {
+            warn!(uuid, error = %e, "the instance's server ended with an error");
+        }
+        report.dma = served.dma.stats();
+        removing.armed = false;
+        self.instances.remove(uuid);
+        if report.forced {
+            warn!(
+                uuid,
+                waited = ?report.waited,
+                leaked_pins_released = report.dma.leaked_pins_released,
+                pinned_pages = report.dma.pinned_pages,
+                "forced removal: the client was disconnected"
+            );
+        }
+        info!(uuid, "instance removed");
+        Ok(report)
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let all: Vec<Arc<Instance>> = self.instances.iter().map(|e| e.value().clone()).collect();
+        let served: Vec<(&str, Served)> = all
+            .iter()
+            .filter_map(|i| Some((i.uuid.as_str(), i.served_mut().take()?)))
+            .collect();
+        for (_, s) in &served {
+            s.server.shutdown_handle().shutdown();
+        }
+        let deadline = Instant::now() + self.config.teardown_timeout;
+        for (uuid, s) in served {
+            while !s.server.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if s.server.is_finished() {
+                let _ = s.server.join();
+            } else {
+                error!(uuid, "the device is stuck: its server is left behind");
+                // Not joined: dropping it would wait for the stuck thread.
+                std::mem::forget(s.server);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("socket_dir", &self.config.socket_dir)
+            .field("parents", &self.parent_names())
+            .field("instances", &self.instances.len())
+            .finish()
+    }
+}
