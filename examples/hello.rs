@@ -40,11 +40,44 @@ const REG_ADDR: u64 = 0x08;
 const REG_DOORBELL: u64 = 0x10;
 const MAGIC: u32 = 0x4845_4c4f;
 
-/// The device: its register, and the queue of its DMA worker (started at attach).
+/// The device: its register, and its DMA worker (started at attach).
 #[derive(Default)]
 struct Hello {
     addr: u64,
-    work: Option<Sender<(u64, u64)>>,
+    worker: Option<Worker>,
+}
+
+/// The worker thread and its queue of doorbells (counter address, value to add).
+struct Worker {
+    queue: Sender<(u64, u64)>,
+    thread: std::thread::JoinHandle<()>,
+    handles: (DmaHandle, Interrupts),
+}
+
+impl Worker {
+    fn start(dma: DmaHandle, irq: Interrupts) -> Worker {
+        let (queue, rx) = crossbeam_channel::unbounded();
+        let (d, i) = (dma.clone(), irq.clone());
+        // Ends when the queue's sender is dropped, after the work already queued.
+        let thread = std::thread::spawn(move || {
+            for (addr, add) in rx {
+                add_to_counter(&d, &i, addr, add);
+            }
+        });
+        Worker {
+            queue,
+            thread,
+            handles: (dma, irq),
+        }
+    }
+
+    /// Finish what was queued and stop: after this the old work does no more DMA and
+    /// raises no interrupt. Returns the handles, to start again.
+    fn finish(self) -> (DmaHandle, Interrupts) {
+        drop(self.queue);
+        let _ = self.thread.join();
+        self.handles
+    }
 }
 
 impl PciDevice for Hello {
@@ -70,14 +103,7 @@ impl PciDevice for Hello {
     }
 
     fn attach(&mut self, dma: DmaHandle, irq: Interrupts) {
-        let (tx, rx) = crossbeam_channel::unbounded();
-        std::thread::spawn(move || {
-            // Ends when the device (the sender) goes away.
-            for (addr, add) in rx {
-                add_to_counter(&dma, &irq, addr, add);
-            }
-        });
-        self.work = Some(tx);
+        self.worker = Some(Worker::start(dma, irq));
     }
 
     fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
@@ -96,16 +122,22 @@ impl PciDevice for Hello {
         match (offset, u64::from_le_bytes(bytes)) {
             (REG_ADDR, value) => self.addr = value,
             (REG_DOORBELL, value) => {
-                if let Some(work) = &self.work {
-                    let _ = work.send((self.addr, value));
+                if let Some(w) = &self.worker {
+                    let _ = w.queue.send((self.addr, value));
                 }
             }
             _ => tracing::debug!("hello: write to unknown register {offset:#x} ignored"),
         }
     }
 
+    /// Back to power-on state. A reset must leave no trace of earlier work after it
+    /// returns (no DMA, no interrupt): the worker finishes its queue before a new one starts.
     fn reset(&mut self) {
         self.addr = 0;
+        if let Some(w) = self.worker.take() {
+            let (dma, irq) = w.finish();
+            self.worker = Some(Worker::start(dma, irq));
+        }
     }
 }
 
@@ -214,7 +246,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use umdev::testing::TestServer;
+    use umdev::testing::{FdlessMemory, TestServer};
 
     #[test]
     fn test_hello_doorbell_adds_to_guest_counter_and_raises_msi(
@@ -237,6 +269,37 @@ mod tests {
         vmm.write32(0, REG_DOORBELL, 1)?;
         assert_eq!(wait_eventfd(&msi, Duration::from_millis(50)), None);
         assert_eq!(vmm.read32(0, REG_ID)?, MAGIC);
+        Ok(())
+    }
+
+    #[test]
+    fn test_hello_reset_leaves_no_dma_of_earlier_doorbells_after_the_reply(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        // Guest RAM without fds, and a client that, like QEMU, answers the device's DMA only
+        // after the reply it waits for: the reset must not leave queued work behind.
+        let server = TestServer::start_pci(Hello::default())?;
+        let mut vmm = server
+            .connect()?
+            .with_fdless(FdlessMemory::new(1 << 30, 4096))
+            .qemu_like()?;
+        vmm.dma_map_fdless(1 << 30, 4096)?;
+        vmm.enable_device()?;
+        vmm.write64(0, REG_ADDR, 1 << 30)?;
+        for _ in 0..5 {
+            vmm.write32_posted(0, REG_DOORBELL, 1)?;
+        }
+        vmm.hold_request()?; // the first doorbell's DMA_READ, not answered yet
+        vmm.reset()?;
+        let at_reply = vmm.requests();
+        // The guest's driver sets Bus Master again (reset cleared it): still nothing.
+        vmm.enable_device()?;
+        vmm.serve_idle(Duration::from_millis(200), |_| false)?;
+        assert_eq!(
+            vmm.requests(),
+            at_reply,
+            "DMA after the reset reply: {:?}",
+            &vmm.log()[at_reply..]
+        );
         Ok(())
     }
 
