@@ -230,6 +230,10 @@ fn test_gpu_parent_idle_instance_fence_runs_after_one_command_per_flooder() {
         flooded.iter().all(|s| s.commands < n),
         "a flooder ran dry before the FENCE ran, so it was not under load: {flooded:?}"
     );
+    // The delay is really measured: every flooder but the first became ready while
+    // another one's command was executing, so each waited at least that one unit.
+    let waited = flooded.iter().filter(|s| s.max_wakeup_delay >= 1).count();
+    assert!(waited >= flooders.len() - 1, "wake-up delays {flooded:?}");
     let s = idle.gpu.engine_stats();
     assert_eq!((s.commands, s.wakeups), (1, 1), "{s:?}");
     assert!(
@@ -242,10 +246,14 @@ fn test_gpu_parent_idle_instance_fence_runs_after_one_command_per_flooder() {
 #[test]
 fn test_gpu_parent_stuck_instance_silent_fdless_fetch_does_not_stall_others() {
     let parent = parent();
+    let mut others = vec![
+        instance(&parent, "a", "gpu-4m"),
+        instance(&parent, "b", "gpu-16m"),
+    ];
     // The stuck instance: its ring is fd-less memory, and its client never answers. Its
-    // server waits for the client far longer than this test runs.
+    // server waits for the client far longer than the rounds below take.
     let served = TestServer::builder(create(&parent, "stuck", "gpu-4m"))
-        .configure(|c| c.remote_dma_timeout = Duration::from_secs(600))
+        .configure(|c| c.remote_dma_timeout = Duration::from_secs(120))
         .start()
         .unwrap();
     let (c, _) = RawClient::negotiated(served.path(), umdev::testing::DEFAULT_CAPS);
@@ -270,10 +278,6 @@ fn test_gpu_parent_stuck_instance_silent_fdless_fetch_does_not_stall_others() {
     assert_eq!((command, iova), (Wire::DmaRead as u16, RING_GPA));
 
     // Meanwhile the others are served, round after round.
-    let mut others = vec![
-        instance(&parent, "a", "gpu-4m"),
-        instance(&parent, "b", "gpu-16m"),
-    ];
     for round in 1..=20u32 {
         for o in &mut others {
             let cmds = [

@@ -28,8 +28,8 @@
 //! the lane the unit's cost (`execute.rs`: a base cost plus the pixels written) multiplied
 //! by its stride, and puts it back in the ready set if it has work left. `sched.rs` states
 //! the invariants: work shares proportional to the weights among backlogged lanes (within
-//! one unit), and a lane that becomes ready while `n` others are ready runs after at most
-//! `n` of their units, whatever they have queued. Per-lane counters ([`EngineStats`]) make
+//! one unit), and an idle lane that becomes ready while `n` others have work runs after at
+//! most `n` of their units (the one executing included), whatever they have queued. Per-lane counters ([`EngineStats`]) make
 //! both observable: executed commands and work, and the largest number of other lanes'
 //! units executed between the moment the lane became ready and the start of its next unit.
 //!

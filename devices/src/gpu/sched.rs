@@ -29,12 +29,14 @@
 //!    `C_max` is the largest cost of one unit: each pass is within one unit's charge of
 //!    every other ready pass, and a pass is the client's work divided by its weight (times
 //!    `STRIDE1`).
-//! 3. **Wake-up latency**: a client that becomes ready while `n` others are ready is picked
-//!    after at most `n` units of others (plus the unit already executing): its pass is
-//!    `vtime`, no ready pass is smaller, and each other client tied at `vtime` runs at most
-//!    once before it (its pass then exceeds `vtime`). What the others have queued does not
-//!    matter, which is the point: under FIFO an idle instance's FENCE would wait for every
-//!    command the flooding instances published before it.
+//! 3. **Wake-up latency**: a client that was idle (its pass at most `vtime`) and becomes
+//!    ready while `n` other clients have work is picked after at most `n` units of theirs,
+//!    the one executing at that moment included: it enters at `vtime`, no ready pass is
+//!    smaller, the client that was executing leaves its unit with a pass above `vtime`,
+//!    and each other client tied at `vtime` (with an older `seq`) runs once before it.
+//!    What the others have queued does not matter, which is the point: under FIFO an idle
+//!    instance's FENCE would wait for every command the flooding instances published
+//!    before it.
 //! 4. A client is in the ready set at most once (the engine also never has it there while
 //!    it executes one of its units: `pick` removes it, `ready` puts it back).
 //!
