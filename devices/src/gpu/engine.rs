@@ -188,7 +188,8 @@ impl std::fmt::Debug for RenderEngine {
 }
 
 impl RenderEngine {
-    /// A new engine; its thread starts when the first GPU attaches.
+    /// A new engine; its thread (`<name>-engine`: keep `name` within 8 bytes for the
+    /// whole name to fit Linux's 15-byte thread names) starts when the first GPU attaches.
     pub fn new(name: &str) -> Arc<RenderEngine> {
         Arc::new(RenderEngine {
             inner: Arc::new(Inner {
@@ -224,7 +225,7 @@ impl RenderEngine {
                 let inner = self.inner.clone();
                 *thread = Some(
                     std::thread::Builder::new()
-                        .name(format!("umdev-{}-engine", self.name))
+                        .name(format!("{}-engine", self.name))
                         .spawn(move || run(&inner))?,
                 );
             }

@@ -221,7 +221,7 @@ impl GpuParent {
         Ok(GpuParent {
             inner: Arc::new(Inner {
                 config,
-                engine: RenderEngine::new("gpu-parent"),
+                engine: RenderEngine::new("gpu-pool"),
                 instances: Mutex::new(BTreeMap::new()),
             }),
         })
