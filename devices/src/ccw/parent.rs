@@ -408,7 +408,13 @@ impl CcwParent {
             },
         );
         drop(table);
-        tracing::info!(uuid = req.uuid, ty = %ty.name, image = %path.display(), blocks, "ccw parent: instance created");
+        tracing::info!(
+            uuid = req.uuid,
+            ty = %ty.name,
+            image = %path.display(),
+            blocks,
+            "ccw parent: instance created"
+        );
         Ok(
             Ccw::with_image(file, blocks, program::DEFAULT_MAX_CCWS).with_lease(ImageLease {
                 parent: Arc::downgrade(&self.inner),

@@ -9,7 +9,7 @@
 //! Each GPU (a *lane* of the engine) keeps a fetcher thread of its own (`worker.rs`): woken
 //! by the doorbell, it reads the published bytes of its ring (DMA reads, which for fd-less
 //! memory are server→client DMA_READs that wait for the client) and hands them to the
-//! engine as one [`Work`] item. The engine thread executes that work one command per *unit*
+//! engine as one `Work` item. The engine thread executes that work one command per *unit*
 //! (`execute.rs`): pins, pixel copies, framebuffer writes and the command's completion.
 //! **The engine never waits for a client**: a unit does no remote DMA, so its duration is
 //! bounded by the work it describes. A client that never answers its instance's DMA_READ
@@ -29,16 +29,18 @@
 //! by its stride, and puts it back in the ready set if it has work left. `sched.rs` states
 //! the invariants: work shares proportional to the weights among backlogged lanes (within
 //! one unit), and an idle lane that becomes ready while `n` others have work runs after at
-//! most `n` of their units (the one executing included), whatever they have queued. Per-lane counters ([`EngineStats`]) make
-//! both observable: executed commands and work, and the largest number of other lanes'
-//! units executed between the moment the lane became ready and the start of its next unit.
+//! most `n` of their units (the one executing included), whatever they have queued.
+//! Per-lane counters ([`EngineStats`]) make both observable: executed commands and work,
+//! and the largest number of other lanes' units executed between the moment the lane
+//! became ready and the start of its next unit.
 //!
 //! # Quiescing one lane
 //!
-//! A lane's [`Gate`] is shared by its fetcher and the engine. The engine takes it with
-//! [`Gate::try_execute`], which never blocks: a lane that is paused (reset, soon migration
-//! STOP) or stopped is *parked* (taken out of the ready set, its work kept) and the engine
-//! goes on with the others; [`RenderEngine::kick`] puts it back when the pause ends.
+//! A lane's `Gate` (`worker.rs`) is shared by its fetcher and the engine. The engine takes
+//! it with `Gate::try_execute`, which never blocks: a lane that is paused (reset, soon
+//! migration STOP) or stopped is *parked* (taken out of the ready set, its work kept) and
+//! the engine goes on with the others; `RenderEngine::kick` puts it back when the pause
+//! ends.
 //! `Gate::pause` waits until neither the fetcher nor the engine is inside a unit of the
 //! lane, so `Worker::quiesce` keeps its guarantee (nothing of the lane's work shows while
 //! the guard lives) with the engine shared. The engine waits for a paused lane never.

@@ -312,7 +312,12 @@ impl GpuParent {
                 handle: gpu.handle(),
             },
         );
-        tracing::info!(uuid = req.uuid, ty = %ty.name, fb_mib = ty.fb_mib, "gpu parent: instance created");
+        tracing::info!(
+            uuid = req.uuid,
+            ty = %ty.name,
+            fb_mib = ty.fb_mib,
+            "gpu parent: instance created"
+        );
         Ok(gpu.with_lease(Lease {
             parent: Arc::downgrade(&self.inner),
             uuid: req.uuid.to_owned(),
