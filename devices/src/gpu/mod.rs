@@ -146,7 +146,7 @@ impl Gpu {
     }
 
     /// Create the device with its commands executed by `engine`, shared with other GPUs,
-    /// with scheduling `weight` (`1..=65536`; see [`engine`]).
+    /// with scheduling `weight` (clamped to `1..=65536`; see [`engine`]).
     pub fn on_engine(
         config: GpuConfig,
         engine: Arc<RenderEngine>,
