@@ -77,6 +77,17 @@ pub fn open_image(
             path: path.to_owned(),
             source,
         })?;
+    let blocks = settle_capacity(&file, path, capacity_blocks)?;
+    Ok((file, blocks))
+}
+
+/// Settle the capacity of an open image `file` (at `path`, for errors) as [`open_image`]
+/// does: grown to `capacity_blocks` if given and shorter, else its size in whole blocks.
+pub fn settle_capacity(
+    file: &File,
+    path: &Path,
+    capacity_blocks: Option<u64>,
+) -> Result<u64, CcwError> {
     let size_err = |source| CcwError::Size {
         path: path.to_owned(),
         source,
@@ -100,7 +111,7 @@ pub fn open_image(
             path: path.to_owned(),
         });
     }
-    Ok((file, blocks))
+    Ok(blocks)
 }
 
 #[cfg(test)]

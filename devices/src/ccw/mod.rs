@@ -23,6 +23,7 @@ pub mod format;
 pub mod idal;
 pub mod image;
 pub mod io;
+pub mod parent;
 pub mod pins;
 pub mod program;
 pub mod regs;
@@ -41,6 +42,7 @@ use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, PciConfig, PciDevice, PciIds};
 
 pub use image::CcwError;
+pub use parent::{CcwParent, CcwParentConfig, CcwType};
 
 use format::BLOCK_SIZE;
 use status::Fault;
@@ -99,6 +101,9 @@ pub struct Ccw {
     rx: Option<Receiver<Job>>,
     worker: Option<JoinHandle<()>>,
     irq: Interrupts,
+    /// What the device borrowed from its parent (its image and its share of the budget),
+    /// given back when it is dropped, after the image is flushed.
+    lease: Option<parent::ImageLease>,
 }
 
 impl Ccw {
@@ -107,10 +112,15 @@ impl Ccw {
         let (file, blocks) =
             image::open_image(&config.image, config.capacity_blocks, config.create)?;
         tracing::info!(image = %config.image.display(), blocks, "ccw: image opened");
-        Ok(Ccw {
+        Ok(Ccw::with_image(file, blocks, config.max_ccws))
+    }
+
+    /// Build the device on an image already open and sized ([`image::settle_capacity`]).
+    pub(crate) fn with_image(file: File, capacity_blocks: u64, max_ccws: usize) -> Ccw {
+        Ccw {
             image: Arc::new(file),
-            capacity_blocks: blocks,
-            max_ccws: config.max_ccws.max(1),
+            capacity_blocks,
+            max_ccws: max_ccws.max(1),
             opb_addr: 0,
             start_dropped: false,
             shared: Arc::default(),
@@ -118,7 +128,14 @@ impl Ccw {
             rx: None,
             worker: None,
             irq: Interrupts::default(),
-        })
+            lease: None,
+        }
+    }
+
+    /// Attach what the device borrowed from its parent; given back when it is dropped.
+    pub(crate) fn with_lease(mut self, lease: parent::ImageLease) -> Ccw {
+        self.lease = Some(lease);
+        self
     }
 
     /// Page entries this device currently holds pinned (0 whenever no program runs).
@@ -350,5 +367,7 @@ impl Drop for Ccw {
         if let Err(e) = self.flush() {
             tracing::warn!(error = %e, "ccw: image flush on drop failed");
         }
+        // Only now may another instance open the image.
+        self.lease = None;
     }
 }

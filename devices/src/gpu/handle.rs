@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::engine::EngineStats;
 use super::framebuffer::Framebuffer;
 use super::gtt::lock;
 use super::png_dump::{self, PngError};
@@ -45,6 +46,11 @@ impl GpuHandle {
             .fb
             .read(off as usize, &mut px)
             .then(|| u32::from_le_bytes(px))
+    }
+
+    /// What the render engine has executed for this GPU (commands, work, wake-up delay).
+    pub fn engine_stats(&self) -> EngineStats {
+        self.shared.engine.snapshot()
     }
 
     /// Wait until every published command has been executed; false on timeout.

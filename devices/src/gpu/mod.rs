@@ -1,6 +1,6 @@
 //! A gvt-style GPU: BAR0 registers, BAR2 framebuffer (shared memory the client can mmap),
 //! a GTT of guest pages the device pins, and a command ring in guest memory executed by a
-//! worker thread (fill, copy, blit, readback, fence with interrupt).
+//! render engine (fill, copy, blit, readback, fence with interrupt).
 //!
 //! The register layout, GTT format, command encoding and error codes are documented for
 //! guest-driver authors in `protocol-docs/devices/gpu.md`. [`driver`] is a small guest-side
@@ -8,33 +8,45 @@
 //!
 //! Threads: register accesses arrive on the connection thread ([`PciDevice::bar_write`],
 //! decoded in `bar0.rs`); a `RING_TAIL` write only stores the tail and rings a crossbeam
-//! doorbell; the worker (`worker.rs`) fetches the ring with multi-page DMA reads, decodes
-//! ([`commands`]) and draws ([`render`]). GTT pages are pinned on first use and cached until
-//! the entry changes, reset, disconnect or DMA unmap ([`gtt`]).
+//! doorbell; the GPU's fetcher thread (`worker.rs`) fetches the ring with multi-page DMA
+//! reads and hands the commands to a [`RenderEngine`] (`engine.rs`), which decodes
+//! ([`commands`]) and draws ([`render`]) one command per unit (`execute.rs`). GTT pages are
+//! pinned on first use and cached until the entry changes, reset, disconnect or DMA unmap
+//! ([`gtt`]).
 //!
-//! Entry points that race with the worker, and what each guarantees when it returns (all
-//! run on the connection thread, with the device lock held):
+//! **One engine, many GPUs.** A standalone GPU ([`Gpu::new`], `umdev run gpu`) has an
+//! engine of its own, an engine of one: the same code executes its commands as executes
+//! those of a [`GpuParent`]'s instances, which share one engine through a weighted fair
+//! scheduler (stride scheduling, `sched.rs`; a heavier type gets a larger share of the
+//! engine, an idle instance's FENCE runs after at most one command per other instance).
+//! The engine executes; it never waits for a client (only a GPU's own fetcher does), so a
+//! client that stops answering stalls its own GPU, not the engine.
 //!
-//! - **reset** (DEVICE_RESET, FLR): the worker is quiesced first (`Worker::quiesce`, see
-//!   `worker.rs`: it stops at its next command boundary and stays parked), then registers,
-//!   INTx, GTT and pins are reset, then the worker is let go (it finds the ring off). So
-//!   after the reset reply nothing queued before it shows: no register change
-//!   (`FENCE_VALUE`, `IRQ_STATUS`, errors, `RING_HEAD`), no interrupt, no framebuffer
-//!   write, no pin, no DMA access (no DMA_READ on the wire for fd-less memory). The wait is
-//!   for at most one unit of work; a fetch waiting for the client is cancelled by the server
-//!   for the duration of the reset, so the wait is short (`worker.rs` says why
-//!   it cannot deadlock).
+//! Entry points that race with the fetcher and the engine, and what each guarantees when
+//! it returns (all run on the connection thread, with the device lock held):
+//!
+//! - **reset** (DEVICE_RESET, FLR): the GPU's work is quiesced first (`Worker::quiesce`,
+//!   see `worker.rs`: the fetcher and the engine stop at their next unit boundary of this
+//!   GPU and leave it alone; the engine goes on serving other GPUs), the work the engine
+//!   holds for it is dropped, then registers, INTx, GTT and pins are reset, then the work
+//!   is let go (the fetcher finds the ring off). So after the reset reply nothing queued
+//!   before it shows: no register change (`FENCE_VALUE`, `IRQ_STATUS`, errors,
+//!   `RING_HEAD`), no interrupt, no framebuffer write, no pin, no DMA access (no DMA_READ
+//!   on the wire for fd-less memory). The wait is for at most one unit of work; a fetch
+//!   waiting for the client is cancelled by the server for the duration of the reset, so
+//!   the wait is short (`worker.rs` says why it cannot deadlock).
 //! - **DMA unmap notifier**: drops the pins in the range after waiting for pin calls in
 //!   flight ([`gtt::GttCell::quiesce`]); a pixel copy from a pinned page holds the GTT lock,
-//!   so it ends before. The worker's `dma.read`s of the ring are covered by the DMA layer
-//!   (it waits for accesses in flight and refuses new ones in the range), so the worker
-//!   keeps running: later commands that need the range fail with a `GTT_FAULT` or
+//!   so it ends before. The fetcher's `dma.read`s of the ring are covered by the DMA layer
+//!   (it waits for accesses in flight and refuses new ones in the range), so the work
+//!   keeps going: later commands that need the range fail with a `GTT_FAULT` or
 //!   `RING_FAULT`. No full quiesce, no wait for the client.
 //! - **disconnect**: as the unmap notifier, for everything (the server has unmapped every
 //!   region and closed the socket first, so a fetch of fd-less memory fails at once and new
-//!   pins fail). Device state is kept, so the worker is not stopped.
-//! - **a second attach and `Drop`**: the worker is stopped and joined (it leaves at its
-//!   next command boundary), then its pins are released with the handle it used.
+//!   pins fail). Device state is kept, so the work is not stopped.
+//! - **a second attach and `Drop`**: the fetcher is stopped and joined, the GPU's lane is
+//!   taken off the engine once its unit in progress (if any) has ended, then its pins are
+//!   released with the handle it used.
 //!
 //! ```
 //! use umdev::pci::PciAdapter;
@@ -48,14 +60,18 @@ mod bar0;
 pub mod commands;
 pub mod demo_scene;
 pub mod driver;
+pub mod engine;
 pub mod error;
+mod execute;
 pub mod framebuffer;
 pub mod gtt;
 mod handle;
+pub mod parent;
 pub mod png_dump;
 pub mod regs;
 pub mod render;
 pub mod ring;
+mod sched;
 mod state;
 mod worker;
 
@@ -68,9 +84,11 @@ use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, SharedMemory};
 
 pub use commands::Command;
+pub use engine::{EngineStats, RenderEngine};
 pub use error::GpuError;
 pub use framebuffer::Framebuffer;
 pub use handle::GpuHandle;
+pub use parent::{GpuParent, GpuParentConfig, GpuType};
 pub use png_dump::PngError;
 pub use regs::Mode;
 
@@ -114,11 +132,26 @@ pub struct Gpu {
     dma: Option<DmaHandle>,
     worker: Option<Worker>,
     fb_size: u64,
+    engine: Arc<RenderEngine>,
+    weight: u32,
+    /// What the GPU borrowed from its parent (returned when the device is dropped, after
+    /// its work has stopped).
+    _lease: Option<parent::Lease>,
 }
 
 impl Gpu {
-    /// Create the device and its framebuffer memory.
+    /// Create the device and its framebuffer memory, with a render engine of its own.
     pub fn new(config: GpuConfig) -> std::io::Result<Gpu> {
+        Gpu::on_engine(config, RenderEngine::new("gpu"), 1)
+    }
+
+    /// Create the device with its commands executed by `engine`, shared with other GPUs,
+    /// with scheduling `weight` (clamped to `1..=65536`; see [`engine`]).
+    pub fn on_engine(
+        config: GpuConfig,
+        engine: Arc<RenderEngine>,
+        weight: u32,
+    ) -> std::io::Result<Gpu> {
         let fb_size = config.fb_size;
         if !fb_size.is_power_of_two() || fb_size < 64 * 1024 || fb_size > u64::from(u32::MAX) {
             return Err(std::io::Error::new(
@@ -133,13 +166,28 @@ impl Gpu {
             gtt: GttCell::new(GTT_ENTRIES),
             fb: Framebuffer::new(mem),
             irq: Mutex::new(Interrupts::default()),
+            engine: Default::default(),
         });
         Ok(Gpu {
             shared,
             dma: None,
             worker: None,
             fb_size,
+            engine,
+            weight,
+            _lease: None,
         })
+    }
+
+    /// Attach what the GPU borrowed from its parent; given back when the GPU is dropped.
+    pub(crate) fn with_lease(mut self, lease: parent::Lease) -> Gpu {
+        self._lease = Some(lease);
+        self
+    }
+
+    /// What the render engine has executed for this GPU.
+    pub fn engine_stats(&self) -> EngineStats {
+        self.shared.engine.snapshot()
     }
 
     /// A cloneable observer of the device (framebuffer, mode, pins) that stays usable after
@@ -235,21 +283,25 @@ impl PciDevice for Gpu {
 
     fn attach(&mut self, dma: DmaHandle, irq: Interrupts) {
         *lock(&self.shared.irq) = irq;
-        // A second attach: stop the old worker, release its pins with the old handle.
+        // A second attach: stop the old work, release its pins with the old handle.
         self.worker = None;
         self.release_all_pins();
-        match Worker::spawn(self.shared.clone(), dma.clone()) {
+        match Worker::spawn(self.shared.clone(), dma.clone(), &self.engine, self.weight) {
             Ok(w) => self.worker = Some(w),
-            Err(e) => tracing::warn!(error = %e, "gpu: cannot start the worker thread"),
+            Err(e) => tracing::warn!(error = %e, "gpu: cannot start the fetcher or engine"),
         }
         self.dma = Some(dma);
     }
 
     fn reset(&mut self) {
-        // First the worker: it stops at its next command boundary and stays parked while
-        // the registers, the interrupt line and the GTT go back to their reset values, so
-        // no completion of work queued before the reset shows after it (module doc).
-        let _parked = self.worker.as_ref().map(Worker::quiesce);
+        // First the work: the fetcher and the engine stop at their next unit boundary of
+        // this GPU and leave it alone while the registers, the interrupt line and the GTT
+        // go back to their reset values, and the fetched work not yet executed is dropped,
+        // so no completion of work queued before the reset shows after it (module doc).
+        let parked = self.worker.as_ref().map(Worker::quiesce);
+        if let Some(p) = &parked {
+            p.discard_work();
+        }
         lock(&self.shared.regs).reset();
         self.shared.idle.notify_all();
         lock(&self.shared.irq).lower_intx();

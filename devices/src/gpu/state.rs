@@ -1,20 +1,21 @@
-//! State shared by the connection thread (register accesses, reset, unmap notifier) and the
-//! worker thread (command execution).
+//! State shared by the connection thread (register accesses, reset, unmap notifier), the
+//! fetcher thread (ring fetches) and the render engine (command execution).
 
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use umdev::irq::Interrupts;
 
+use super::engine::EngineCounters;
 use super::framebuffer::Framebuffer;
 use super::gtt::{lock, GttCell};
 use super::regs::Regs;
 
-/// Everything both threads touch. No thread holds two of these locks at once, and the worker
-/// never holds one while it calls into the DMA layer (a DMA access may wait for the client,
-/// e.g. a server→client DMA_READ, and the unmap notifier takes `gtt`). The connection
-/// thread holds none of them while it waits for the worker in `Worker::quiesce`: the
-/// worker may need any of them to finish its unit of work.
+/// Everything the threads touch. No thread holds two of these locks at once, and neither
+/// the fetcher nor the engine holds one while it calls into the DMA layer (a DMA access may
+/// wait for the client, e.g. a server→client DMA_READ, and the unmap notifier takes `gtt`).
+/// The connection thread holds none of them while it waits in `Worker::quiesce`: the
+/// fetcher or the engine may need any of them to finish its unit of work.
 pub struct Shared {
     /// The register file.
     pub regs: Mutex<Regs>,
@@ -26,6 +27,8 @@ pub struct Shared {
     pub fb: Framebuffer,
     /// The interrupt handle (replaced at attach).
     pub irq: Mutex<Interrupts>,
+    /// What the render engine executed for this GPU.
+    pub engine: EngineCounters,
 }
 
 impl Shared {

@@ -1,42 +1,49 @@
-//! The worker thread: woken by the doorbell (a `RING_TAIL` write), it fetches the published
-//! commands from the ring and executes them in order, so the connection thread never draws.
+//! A GPU's own half of command execution: the fetcher thread, woken by the doorbell (a
+//! `RING_TAIL` write), reads the published commands from the ring and hands them to the
+//! render engine (`engine.rs`), which executes them one command per unit (`execute.rs`).
+//! The connection thread never draws, and never waits for the client.
 //!
 //! # Units of work and quiescing
 //!
-//! The worker works in *units*: one ring fetch (the DMA reads of `[head, tail)`, or the
-//! `RING_FAULT` it records), or one command (decode, execute — pins, DMA, framebuffer
-//! writes — and its completion: `RING_HEAD`, `FENCE_VALUE`, `IRQ_STATUS`, the error
-//! registers, the interrupt). A unit is never cut in half: its register effects are
-//! committed under the register lock together with the ring-generation check, so a command
-//! either completes as a whole or leaves no trace in the registers.
+//! The GPU's work is done in *units*: one ring fetch (the DMA reads of `[head, tail)`, by
+//! the fetcher), or one command (decode, execute — pins, DMA, framebuffer writes — and its
+//! completion: `RING_HEAD`, `FENCE_VALUE`, `IRQ_STATUS`, the error registers, the
+//! interrupt; or the `RING_FAULT` of a failed fetch; by the engine). A unit is never cut in
+//! half: its register effects are committed under the register lock together with the
+//! ring-generation check, so a command either completes as a whole or leaves no trace in
+//! the registers. The fetcher fetches only when the engine has finished what it fetched
+//! before, so the fetch starts at an exact `RING_HEAD`, as it did when one thread did both.
 //!
-//! [`Worker::quiesce`] asks the worker to stop at the next unit boundary and waits until it
-//! has; the [`Quiesced`] guard it returns lets the worker go on when dropped. **Invariant:
-//! while a `Quiesced` guard lives, the worker changes no register, raises no interrupt,
-//! writes no framebuffer byte, and makes no DMA access (no pin, no `dma.read`/`write`, so
-//! no DMA_READ/DMA_WRITE on the wire).** Everything it did before is complete when
-//! `quiesce` returns. This is what DEVICE_RESET needs (no completion of old work may
-//! show after the reset reply) and what live migration's STOP will need (no DMA, no
-//! interrupt, no state change after STOP is acknowledged; the commands not yet executed
-//! stay published in the ring, `RING_HEAD` says where to resume). A long ring stops at the
-//! next command boundary, it does not run to its end; commands the worker had fetched but
-//! not started are fetched again after the pause, from `RING_HEAD`.
+//! [`Worker::quiesce`] asks both the fetcher and the engine to stop at the next unit
+//! boundary *of this GPU* and waits until they have; the [`Quiesced`] guard it returns lets
+//! them go on when dropped. **Invariant: while a `Quiesced` guard lives, no unit of this
+//! GPU runs: no register change, no interrupt, no framebuffer byte written, no DMA access
+//! (no pin, no `dma.read`/`write`, so no DMA_READ/DMA_WRITE on the wire).** Everything
+//! done before is complete when `quiesce` returns. The engine meanwhile serves the other
+//! GPUs on it: it parks this GPU's lane instead of waiting ([`Gate::try_execute`]). This is
+//! what DEVICE_RESET needs (no completion of old work may show after the reset reply; the
+//! reset also drops the work the engine holds for this GPU, [`Quiesced::discard_work`])
+//! and what live migration's STOP will need (no DMA, no interrupt, no state change after
+//! STOP is acknowledged; the commands not yet executed stay published in the ring,
+//! `RING_HEAD` says where to resume). A long ring stops at the next command boundary, it
+//! does not run to its end.
 //!
 //! Why waiting is safe: `quiesce` runs on the server's connection thread, which holds the
 //! device lock but none of the locks in [`Shared`] (the caller must not hold them either),
-//! and the worker never takes the device lock. The one thing the worker can wait for is
-//! the client: a DMA read of fd-less memory is a server→client DMA_READ whose reply must
-//! come in over the socket. The connection thread does not hold the socket's read side
-//! while it calls the device (`umdev::server` channel: leader/follower reading), so the
-//! waiting worker reads and routes its own reply (or the twin-socket reader does). A client
-//! that never answers is bounded by the server's remote DMA timeout (`remote_dma_timeout`,
-//! per DMA_READ piece): the read fails, the unit ends, the worker stops. A client that
-//! cannot answer because it waits for our reply (QEMU serves server requests in a
-//! main-loop bottom half, which does not run while it waits for the DEVICE_RESET reply)
-//! does not stall the reset: the server cancels outstanding requests for the duration of
-//! DEVICE_RESET (`protocol-docs/server-dma.md`), the fetch fails with a cancellation,
-//! which the worker does not report as a guest error, and the unit ends at once. Pin
-//! calls, pixel copies and fd-backed DMA do not wait for anyone.
+//! and neither the fetcher nor the engine ever takes the device lock. An engine unit never
+//! waits for a client (`execute.rs`), so the wait for it is short. The one thing the
+//! fetcher can wait for is the client: a DMA read of fd-less memory is a server→client
+//! DMA_READ whose reply must come in over the socket. The connection thread does not hold
+//! the socket's read side while it calls the device (`umdev::server` channel:
+//! leader/follower reading), so the waiting fetcher reads and routes its own reply (or the
+//! twin-socket reader does). A client that never answers is bounded by the server's remote
+//! DMA timeout (`remote_dma_timeout`, per DMA_READ piece): the read fails, the unit ends,
+//! the fetcher stops. A client that cannot answer because it waits for our reply (QEMU
+//! serves server requests in a main-loop bottom half, which does not run while it waits for
+//! the DEVICE_RESET reply) does not stall the reset: the server cancels outstanding
+//! requests for the duration of DEVICE_RESET (`protocol-docs/server-dma.md`), the fetch
+//! fails with a cancellation, which the fetcher does not report as a guest error, and the
+//! unit ends at once. Pin calls, pixel copies and fd-backed DMA do not wait for anyone.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -46,11 +53,9 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use umdev::dma::DmaHandle;
 
-use super::commands::{Command, DecodeError};
-use super::error::{GpuError, ERR_RING_FAULT};
+use super::engine::{LaneCtx, LaneId, RenderEngine};
+use super::execute::{Batch, Work};
 use super::gtt::lock;
-use super::regs::IRQ_FENCE;
-use super::render;
 use super::ring;
 use super::state::Shared;
 
@@ -58,94 +63,134 @@ use super::state::Shared;
 /// the remote DMA timeout, see the module doc).
 const QUIESCE_LOG_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Handle to the worker thread; dropping it stops and joins the thread.
+/// Handle to the GPU's fetcher thread and its lane on the render engine; dropping it stops
+/// and joins the fetcher and takes the lane off the engine.
 pub struct Worker {
-    doorbell: Option<Sender<()>>,
+    doorbell: Sender<()>,
     gate: Arc<Gate>,
+    engine: Arc<RenderEngine>,
+    lane: LaneId,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Worker {
-    /// Start the worker.
-    pub fn spawn(shared: Arc<Shared>, dma: DmaHandle) -> std::io::Result<Worker> {
-        // One pending doorbell is enough: the worker always reads the latest tail.
+    /// Put the GPU on `engine` with `weight` and start its fetcher.
+    pub fn spawn(
+        shared: Arc<Shared>,
+        dma: DmaHandle,
+        engine: &Arc<RenderEngine>,
+        weight: u32,
+    ) -> std::io::Result<Worker> {
+        // One pending doorbell is enough: the fetcher always reads the latest tail.
         let (tx, rx) = crossbeam_channel::bounded(1);
         let gate = Arc::new(Gate::default());
-        let ctx = Ctx {
+        let ctx = Arc::new(LaneCtx {
             shared,
             dma,
             gate: gate.clone(),
+            doorbell: tx.clone(),
+            busy: AtomicBool::new(false),
+        });
+        let lane = engine.register(ctx.clone(), weight)?;
+        let fetcher = Fetcher {
+            ctx,
+            engine: engine.clone(),
+            lane,
         };
-        let thread = std::thread::Builder::new()
-            .name("umdev-gpu-worker".into())
-            .spawn(move || ctx.run(rx))?;
+        let thread = match std::thread::Builder::new()
+            .name("umdev-gpu-fetch".into())
+            .spawn(move || fetcher.run(rx))
+        {
+            Ok(t) => t,
+            Err(e) => {
+                gate.stop();
+                engine.unregister(lane);
+                return Err(e);
+            }
+        };
         Ok(Worker {
-            doorbell: Some(tx),
+            doorbell: tx,
             gate,
+            engine: engine.clone(),
+            lane,
             thread: Some(thread),
         })
     }
 
     /// Ring the doorbell (never blocks).
     pub fn doorbell(&self) {
-        if let Some(tx) = &self.doorbell {
-            match tx.try_send(()) {
-                Ok(()) | Err(TrySendError::Full(())) => {}
-                Err(TrySendError::Disconnected(())) => {
-                    tracing::warn!("gpu: worker thread is gone")
-                }
+        match self.doorbell.try_send(()) {
+            Ok(()) | Err(TrySendError::Full(())) => {}
+            Err(TrySendError::Disconnected(())) => {
+                tracing::warn!("gpu: fetcher thread is gone")
             }
         }
     }
 
-    /// Stop the worker at the next unit boundary and wait until it has stopped (see the
-    /// module doc for what it then leaves alone, and why the wait ends). Nested calls are
-    /// allowed; the worker goes on when the last guard is dropped. The caller must not
-    /// hold a lock of [`Shared`].
+    /// Stop the GPU's work at the next unit boundary and wait until it has stopped (see the
+    /// module doc for what is then left alone, and why the wait ends). Nested calls are
+    /// allowed; the work goes on when the last guard is dropped. The caller must not hold a
+    /// lock of [`Shared`].
     pub fn quiesce(&self) -> Quiesced<'_> {
         self.gate.pause();
-        Quiesced { gate: &self.gate }
+        Quiesced { worker: self }
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         self.gate.stop();
-        self.doorbell = None;
+        // Wake the fetcher if it waits for a doorbell: it finds the gate stopped and exits.
+        self.doorbell();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
-                tracing::error!("gpu: worker thread panicked");
+                tracing::error!("gpu: fetcher thread panicked");
             }
         }
+        // The engine starts no unit of a stopped lane; wait for one in progress.
+        self.gate.pause();
+        self.engine.unregister(self.lane);
     }
 }
 
-/// Proof that the worker is quiescent; dropping it lets the worker go on.
-#[must_use = "the worker resumes as soon as the guard is dropped"]
+/// Proof that the GPU's work is quiescent; dropping it lets the work go on.
+#[must_use = "the work resumes as soon as the guard is dropped"]
 pub struct Quiesced<'a> {
-    gate: &'a Gate,
+    worker: &'a Worker,
+}
+
+impl Quiesced<'_> {
+    /// Drop the work the engine holds for this GPU (fetched, not executed yet). A reset
+    /// does this: work fetched before it must not run after it. (The ring generation
+    /// would make the engine drop it anyway; this frees it now.)
+    pub fn discard_work(&self) {
+        self.worker.engine.discard(self.worker.lane);
+    }
 }
 
 impl Drop for Quiesced<'_> {
     fn drop(&mut self) {
-        self.gate.resume();
+        self.worker.gate.resume();
+        self.worker.engine.kick(self.worker.lane);
     }
 }
 
-/// Where the worker stands, shared with the connection thread.
+/// Where the GPU's two executors stand, shared with the connection thread.
 #[derive(Debug, Default)]
 struct GateState {
     /// Live [`Quiesced`] guards.
     holds: u32,
-    /// The worker is inside a unit of work ([`Gate::enter`] .. [`Busy`] dropped).
-    busy: bool,
-    /// The worker must exit.
+    /// The fetcher is inside a unit of work ([`Gate::enter`] .. [`Busy`] dropped).
+    fetching: bool,
+    /// The engine is inside a unit of this GPU ([`Gate::try_execute`] .. dropped).
+    executing: bool,
+    /// The fetcher must exit, the engine must not start another unit.
     stop: bool,
 }
 
-/// The pause/stop gate between the connection thread and the worker.
+/// The pause/stop gate between the connection thread, the fetcher and the engine.
 #[derive(Debug, Default)]
-struct Gate {
+pub(super) struct Gate {
     state: Mutex<GateState>,
     changed: Condvar,
     /// `holds > 0 || stop`, readable without the lock at every unit boundary.
@@ -161,12 +206,12 @@ impl Gate {
         self.changed.wait(g).unwrap_or_else(|e| e.into_inner())
     }
 
-    /// True if the worker must leave at this boundary.
+    /// True if the fetcher must leave at this boundary.
     fn halted(&self) -> bool {
         self.halt.load(Ordering::Acquire)
     }
 
-    /// Worker: wait while paused, then mark busy. `None` once stopped.
+    /// Fetcher: wait while paused, then mark busy. `None` once stopped.
     fn enter(&self) -> Option<Busy<'_>> {
         let mut g = self.lock();
         while g.holds > 0 && !g.stop {
@@ -175,26 +220,45 @@ impl Gate {
         if g.stop {
             return None;
         }
-        g.busy = true;
-        Some(Busy { gate: self })
+        g.fetching = true;
+        Some(Busy {
+            gate: self,
+            engine: false,
+        })
     }
 
-    /// Connection thread: ask for a halt and wait until the worker is outside a unit.
+    /// Engine: start a unit unless paused or stopped. Never blocks on a pause.
+    pub(super) fn try_execute(&self) -> Option<Busy<'_>> {
+        let mut g = self.lock();
+        if g.holds > 0 || g.stop {
+            return None;
+        }
+        g.executing = true;
+        Some(Busy {
+            gate: self,
+            engine: true,
+        })
+    }
+
+    /// Connection thread: ask for a halt and wait until neither the fetcher nor the engine
+    /// is inside a unit.
     fn pause(&self) {
         let mut g = self.lock();
         g.holds += 1;
         self.halt.store(true, Ordering::Release);
         let start = Instant::now();
-        while g.busy {
+        while g.fetching || g.executing {
             let (next, timeout) = self
                 .changed
                 .wait_timeout(g, QUIESCE_LOG_INTERVAL)
                 .unwrap_or_else(|e| e.into_inner());
             g = next;
-            if timeout.timed_out() && g.busy {
+            if timeout.timed_out() && (g.fetching || g.executing) {
                 tracing::warn!(
                     waited = ?start.elapsed(),
-                    "gpu: still waiting for the worker to finish its unit of work"
+                    fetching = g.fetching,
+                    executing = g.executing,
+                    "gpu: still waiting for a unit of work to finish"
                 );
             }
         }
@@ -211,23 +275,31 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// Make the worker exit at its next boundary (or right away if it waits).
-    fn stop(&self) {
+    /// Make the fetcher exit at its next boundary (or right away if it waits) and the
+    /// engine start no more units.
+    pub(super) fn stop(&self) {
         self.lock().stop = true;
         self.halt.store(true, Ordering::Release);
         self.changed.notify_all();
     }
 }
 
-/// The worker is inside a unit of work; dropping (also when unwinding from a panic) marks
-/// it outside, so a `quiesce` never waits for a dead thread.
-struct Busy<'a> {
+/// A unit of work is in progress; dropping (also when unwinding from a panic) marks it
+/// finished, so a `quiesce` never waits for a dead thread.
+pub(super) struct Busy<'a> {
     gate: &'a Gate,
+    engine: bool,
 }
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.gate.lock().busy = false;
+        let mut g = self.gate.lock();
+        if self.engine {
+            g.executing = false;
+        } else {
+            g.fetching = false;
+        }
+        drop(g);
         self.gate.changed.notify_all();
     }
 }
@@ -235,31 +307,25 @@ impl Drop for Busy<'_> {
 /// How `drain` ended.
 #[derive(Debug, PartialEq, Eq)]
 enum Drained {
-    /// Nothing published is left (or the ring is off).
+    /// Nothing to fetch: nothing published, the ring is off, or the engine still holds
+    /// the previous fetch (it rings the doorbell when it has finished it).
     Idle,
     /// Stopped at a unit boundary because the gate halted.
     Halted,
 }
 
-/// What a successfully executed command asks the completion step to do.
-#[derive(Debug, PartialEq, Eq)]
-enum Effect {
-    None,
-    /// FENCE: store the value, set `IRQ_FENCE`.
-    Fence(u32),
+/// The fetcher thread's state.
+struct Fetcher {
+    ctx: Arc<LaneCtx>,
+    engine: Arc<RenderEngine>,
+    lane: LaneId,
 }
 
-struct Ctx {
-    shared: Arc<Shared>,
-    dma: DmaHandle,
-    gate: Arc<Gate>,
-}
-
-impl Ctx {
+impl Fetcher {
     fn run(self, rx: Receiver<()>) {
         'doorbells: while rx.recv().is_ok() {
             loop {
-                let Some(busy) = self.gate.enter() else {
+                let Some(busy) = self.ctx.gate.enter() else {
                     break 'doorbells;
                 };
                 let drained = self.drain();
@@ -271,159 +337,58 @@ impl Ctx {
                 // RING_HEAD without needing another doorbell.
             }
         }
-        tracing::debug!("gpu: worker stopped");
+        tracing::debug!("gpu: fetcher stopped");
     }
 
-    /// Execute published commands until head == tail (or the ring is reconfigured), one
-    /// unit at a time, checking the gate between units.
+    /// Fetch the published commands `[head, tail)` and hand them to the engine, unless it
+    /// still holds an earlier fetch; one unit per fetch, checking the gate between units.
     fn drain(&self) -> Drained {
-        let mut dwords = Vec::new();
         loop {
-            if self.gate.halted() {
+            if self.ctx.gate.halted() {
                 return Drained::Halted;
             }
+            if self.ctx.busy.load(Ordering::SeqCst) {
+                return Drained::Idle;
+            }
             let (ring, gen) = {
-                let regs = lock(&self.shared.regs);
+                let regs = lock(&self.ctx.shared.regs);
                 if regs.idle() {
-                    self.shared.idle.notify_all();
+                    self.ctx.shared.idle.notify_all();
                     return Drained::Idle;
                 }
                 (regs.ring, regs.ring_gen)
             };
-            if let Err(e) = ring::fetch(&self.dma, &ring, &mut dwords) {
-                if e.is_cancelled() {
-                    // The server cut the fetch short (a reset is quiescing us, or the ring is
-                    // being unmapped): not the guest's fault, so no RING_FAULT and no
+            let mut dwords = Vec::new();
+            let work = match ring::fetch(&self.ctx.dma, &ring, &mut dwords) {
+                Ok(()) => Work::Batch(Batch {
+                    gen,
+                    start: ring.head,
+                    mask: ring.size - 1,
+                    dwords,
+                    pos: 0,
+                }),
+                Err(e) if e.is_cancelled() => {
+                    // The server cut the fetch short (a reset is quiescing us, or the ring
+                    // is being unmapped): not the guest's fault, so no RING_FAULT and no
                     // interrupt. Stop if halted; otherwise fetch again, which fails for
                     // real once the ring is gone.
-                    if self.gate.halted() {
+                    if self.ctx.gate.halted() {
                         return Drained::Halted;
                     }
                     std::thread::sleep(Duration::from_millis(1));
                     continue;
                 }
-                tracing::warn!(error = %e, base = ring.base, "gpu: ring fetch failed");
-                let raise = {
-                    let mut regs = lock(&self.shared.regs);
-                    if regs.ring_gen != gen {
-                        continue;
+                Err(e) => {
+                    tracing::warn!(error = %e, base = ring.base, "gpu: ring fetch failed");
+                    Work::Fault {
+                        gen,
+                        at: ring.head,
+                        tail: ring.tail,
                     }
-                    regs.ring.head = ring.tail;
-                    regs.record_error(ERR_RING_FAULT, ring.head)
-                };
-                self.shared.idle.notify_all();
-                if raise {
-                    self.shared.raise();
                 }
-                continue;
-            }
-            let mask = ring.size as usize - 1;
-            let mut pos = 0usize;
-            while pos < dwords.len() {
-                if self.gate.halted() {
-                    return Drained::Halted;
-                }
-                if lock(&self.shared.regs).ring_gen != gen {
-                    break;
-                }
-                let cmd_off = ((ring.head as usize + pos * 4) & mask) as u32;
-                let (advance, result) = match Command::decode(&dwords[pos..]) {
-                    Ok((cmd, len)) => {
-                        tracing::trace!(?cmd, offset = cmd_off, "gpu: command");
-                        (len, self.execute(cmd))
-                    }
-                    Err(DecodeError { error, skip }) => {
-                        (skip.unwrap_or(dwords.len() - pos), Err(error))
-                    }
-                };
-                pos += advance;
-                // Completion: every register effect of the command, under one lock and
-                // only if the ring is still the one the command came from.
-                let raise = {
-                    let mut regs = lock(&self.shared.regs);
-                    if regs.ring_gen != gen {
-                        break;
-                    }
-                    regs.ring.head = ((ring.head as usize + pos * 4) & mask) as u32;
-                    match result {
-                        Ok(Effect::None) => false,
-                        Ok(Effect::Fence(value)) => {
-                            regs.fence = value;
-                            regs.set_irq(IRQ_FENCE)
-                        }
-                        Err(e) => {
-                            tracing::warn!(
-                                error = e.report(),
-                                offset = cmd_off,
-                                "gpu: command failed"
-                            );
-                            regs.record_error(e.code(), cmd_off)
-                        }
-                    }
-                };
-                self.shared.idle.notify_all();
-                if raise {
-                    self.shared.raise();
-                }
-            }
+            };
+            self.engine.submit(self.lane, work);
         }
-    }
-
-    /// Execute one command (its framebuffer and DMA work); register effects are returned
-    /// for the completion step.
-    fn execute(&self, cmd: Command) -> Result<Effect, GpuError> {
-        let mode = lock(&self.shared.regs).mode;
-        let fb = &self.shared.fb;
-        match cmd {
-            Command::Nop => return Ok(Effect::None),
-            Command::Fence { value } => return Ok(Effect::Fence(value)),
-            _ if !mode.enabled => return Err(GpuError::ModeDisabled),
-            Command::FillRect { x, y, w, h, color } => {
-                render::fill_rect(fb, &mode, (x, y, w, h), color)?
-            }
-            Command::CopyRect {
-                src_x,
-                src_y,
-                dst_x,
-                dst_y,
-                w,
-                h,
-            } => render::copy_rect(fb, &mode, (src_x, src_y), (dst_x, dst_y), (w, h))?,
-            Command::Blit {
-                gtt_index,
-                stride,
-                w,
-                h,
-                dst_x,
-                dst_y,
-            } => {
-                render::check_rect(&mode, dst_x, dst_y, w, h)?;
-                let pages = render::surface_pages(stride, w, h)?;
-                if pages > 0 {
-                    let src = self
-                        .shared
-                        .gtt
-                        .acquire(&self.dma, gtt_index, pages, false)?;
-                    render::blit(fb, &mode, &src, stride, (w, h), (dst_x, dst_y))?;
-                }
-            }
-            Command::Readback {
-                src_x,
-                src_y,
-                w,
-                h,
-                gtt_index,
-                stride,
-            } => {
-                render::check_rect(&mode, src_x, src_y, w, h)?;
-                let pages = render::surface_pages(stride, w, h)?;
-                if pages > 0 {
-                    let dst = self.shared.gtt.acquire(&self.dma, gtt_index, pages, true)?;
-                    render::readback(fb, &mode, (src_x, src_y), (w, h), &dst, stride)?;
-                }
-            }
-        }
-        Ok(Effect::None)
     }
 }
 

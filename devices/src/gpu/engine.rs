@@ -1,0 +1,425 @@
+//! The render engine: one thread that executes the ring commands of every GPU attached to
+//! it, one command at a time, choosing whose command runs next with a weighted fair
+//! scheduler (stride scheduling, `sched.rs`). A [`GpuParent`](super::parent::GpuParent) has
+//! one engine for all its instances, the way gvt-g time-slices the vGPUs of one physical
+//! GPU; a standalone [`Gpu`](super::Gpu) has an engine of its own (an engine of one).
+//!
+//! # Who does what
+//!
+//! Each GPU (a *lane* of the engine) keeps a fetcher thread of its own (`worker.rs`): woken
+//! by the doorbell, it reads the published bytes of its ring (DMA reads, which for fd-less
+//! memory are server→client DMA_READs that wait for the client) and hands them to the
+//! engine as one `Work` item. The engine thread executes that work one command per *unit*
+//! (`execute.rs`): pins, pixel copies, framebuffer writes and the command's completion.
+//! **The engine never waits for a client**: a unit does no remote DMA, so its duration is
+//! bounded by the work it describes. A client that never answers its instance's DMA_READ
+//! stalls that instance's fetcher (until the remote DMA timeout, or a cancellation), never
+//! the engine: its lane simply has no work queued, and the other lanes are served.
+//!
+//! A lane holds at most one work item (one fetch's worth of commands): the fetcher fetches
+//! `[RING_HEAD, RING_TAIL)` only when the engine has finished the previous item, and the
+//! engine rings the fetcher's doorbell when it has. So a lane's memory is bounded by its
+//! ring size, and `RING_HEAD` is exact whenever the fetcher reads it, as with a device of
+//! its own.
+//!
+//! # Scheduling
+//!
+//! The engine runs the ready lane with the smallest stride pass, executes one unit, charges
+//! the lane the unit's cost (`execute.rs`: a base cost plus the pixels written) multiplied
+//! by its stride, and puts it back in the ready set if it has work left. `sched.rs` states
+//! the invariants: work shares proportional to the weights among backlogged lanes (within
+//! one unit), and an idle lane that becomes ready while `n` others have work runs after at
+//! most `n` of their units (the one executing included), whatever they have queued.
+//! Per-lane counters ([`EngineStats`]) make both observable: executed commands and work,
+//! and the largest number of other lanes' units executed between the moment the lane
+//! became ready and the start of its next unit.
+//!
+//! # Quiescing one lane
+//!
+//! A lane's `Gate` (`worker.rs`) is shared by its fetcher and the engine. The engine takes
+//! it with `Gate::try_execute`, which never blocks: a lane that is paused (reset, soon
+//! migration STOP) or stopped is *parked* (taken out of the ready set, its work kept) and
+//! the engine goes on with the others; `RenderEngine::kick` puts it back when the pause
+//! ends.
+//! `Gate::pause` waits until neither the fetcher nor the engine is inside a unit of the
+//! lane, so `Worker::quiesce` keeps its guarantee (nothing of the lane's work shows while
+//! the guard lives) with the engine shared. The engine waits for a paused lane never.
+//!
+//! # Locks
+//!
+//! Order: the engine's state lock, then a lane's gate lock (`try_execute` and the release
+//! of the execute guard run under the state lock; nothing takes the state lock while
+//! holding a gate lock). The engine holds no lock while it executes a unit; the unit takes
+//! the lane's own locks (`state.rs`), which nobody holds across a wait for a client.
+//!
+//! # Panics
+//!
+//! A unit that panics is caught (`catch_unwind`): it is logged, that lane's work item is
+//! dropped, and the engine goes on serving every lane. The lane's locks tolerate poisoning
+//! (`gtt::lock`).
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Sender, TrySendError};
+use umdev::dma::DmaHandle;
+
+use super::execute::{self, Work, UNIT_BASE_COST};
+use super::gtt::lock;
+use super::sched::StrideScheduler;
+use super::state::Shared;
+use super::worker::Gate;
+
+/// A lane's id on its engine (never reused).
+pub(super) type LaneId = u64;
+
+/// What the engine needs of a lane to execute its work.
+pub(super) struct LaneCtx {
+    /// The GPU's state.
+    pub shared: Arc<Shared>,
+    /// The DMA handle of the attach the lane belongs to.
+    pub dma: DmaHandle,
+    /// The pause/stop gate shared with the fetcher.
+    pub gate: Arc<Gate>,
+    /// The fetcher's doorbell: rung when the lane's work item is finished.
+    pub doorbell: Sender<()>,
+    /// True from the moment the fetcher hands a work item over until the engine has
+    /// finished (or dropped) it; the fetcher fetches only while it is false. The engine
+    /// clears it before it rings the doorbell, so the fetcher never misses the end.
+    pub busy: AtomicBool,
+}
+
+impl LaneCtx {
+    fn ring_fetcher(&self) {
+        match self.doorbell.try_send(()) {
+            Ok(()) | Err(TrySendError::Full(())) | Err(TrySendError::Disconnected(())) => {}
+        }
+    }
+}
+
+/// Where a lane stands in the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Run {
+    /// No work.
+    Idle,
+    /// Has work, in the scheduler's ready set.
+    Ready,
+    /// One of its units is executing.
+    Running,
+    /// Has work, but its gate is closed (paused or stopped): out of the ready set until
+    /// [`RenderEngine::kick`].
+    Parked,
+}
+
+struct Lane {
+    ctx: Arc<LaneCtx>,
+    work: Option<Work>,
+    run: Run,
+    /// Engine unit count when the lane last became ready.
+    ready_at: Option<u64>,
+}
+
+struct State {
+    lanes: BTreeMap<LaneId, Lane>,
+    sched: StrideScheduler,
+    next_id: LaneId,
+    /// Units executed by the engine (all lanes).
+    units: u64,
+    stop: bool,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    /// Signalled when a lane becomes ready, and at stop.
+    wake: Condvar,
+}
+
+/// Executed work of one GPU on its engine, since the GPU was created (see the module doc).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Units executed: commands (failed ones included) and ring faults.
+    pub commands: u64,
+    /// Work units charged for them (`UNIT_BASE_COST` each, plus pixels written).
+    pub work: u64,
+    /// Times the GPU's lane became ready (work arrived while it had none, or a pause with
+    /// work queued ended).
+    pub wakeups: u64,
+    /// The most units of *other* lanes the engine executed between a wake-up and the start
+    /// of the lane's next unit: the scheduler's wake-up latency, in units.
+    pub max_wakeup_delay: u64,
+}
+
+/// The counters behind [`EngineStats`], kept in the GPU's shared state so that they
+/// survive re-attaches (a new lane per attach).
+#[derive(Debug, Default)]
+pub(super) struct EngineCounters {
+    commands: AtomicU64,
+    work: AtomicU64,
+    wakeups: AtomicU64,
+    max_wakeup_delay: AtomicU64,
+}
+
+impl EngineCounters {
+    pub(super) fn snapshot(&self) -> EngineStats {
+        EngineStats {
+            commands: self.commands.load(Ordering::Relaxed),
+            work: self.work.load(Ordering::Relaxed),
+            wakeups: self.wakeups.load(Ordering::Relaxed),
+            max_wakeup_delay: self.max_wakeup_delay.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A render engine shared by GPUs (see the module doc). Dropping the last reference stops
+/// and joins its thread; every GPU holds one while it is attached.
+pub struct RenderEngine {
+    inner: Arc<Inner>,
+    name: String,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for RenderEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RenderEngine")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RenderEngine {
+    /// A new engine; its thread (`<name>-engine`: keep `name` within 8 bytes for the
+    /// whole name to fit Linux's 15-byte thread names) starts when the first GPU attaches.
+    pub fn new(name: &str) -> Arc<RenderEngine> {
+        Arc::new(RenderEngine {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    lanes: BTreeMap::new(),
+                    sched: StrideScheduler::new(),
+                    next_id: 1,
+                    units: 0,
+                    stop: false,
+                }),
+                wake: Condvar::new(),
+            }),
+            name: name.to_owned(),
+            thread: Mutex::new(None),
+        })
+    }
+
+    /// Units executed so far, all lanes together.
+    pub fn units(&self) -> u64 {
+        lock(&self.inner.state).units
+    }
+
+    /// Lanes (attached GPUs) currently on the engine.
+    pub fn lanes(&self) -> usize {
+        lock(&self.inner.state).lanes.len()
+    }
+
+    /// Add a lane with `weight`; starts the engine thread if it is not running.
+    pub(super) fn register(&self, ctx: Arc<LaneCtx>, weight: u32) -> std::io::Result<LaneId> {
+        {
+            let mut thread = lock(&self.thread);
+            if thread.is_none() {
+                let inner = self.inner.clone();
+                *thread = Some(
+                    std::thread::Builder::new()
+                        .name(format!("{}-engine", self.name))
+                        .spawn(move || run(&inner))?,
+                );
+            }
+        }
+        let mut st = lock(&self.inner.state);
+        let id = st.next_id;
+        st.next_id += 1;
+        st.sched.add(id, weight);
+        st.lanes.insert(
+            id,
+            Lane {
+                ctx,
+                work: None,
+                run: Run::Idle,
+                ready_at: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Remove a lane. Its gate must be stopped and quiet (no unit executing): the engine
+    /// then has it parked or idle and will not touch it again.
+    pub(super) fn unregister(&self, id: LaneId) {
+        let mut st = lock(&self.inner.state);
+        st.sched.remove(id);
+        st.lanes.remove(&id);
+    }
+
+    /// The fetcher hands over a work item (the lane has none: see `LaneCtx::busy`).
+    pub(super) fn submit(&self, id: LaneId, work: Work) {
+        let mut st = lock(&self.inner.state);
+        let State {
+            lanes,
+            sched,
+            units,
+            ..
+        } = &mut *st;
+        let Some(lane) = lanes.get_mut(&id) else {
+            return;
+        };
+        if lane.work.is_some() {
+            tracing::error!(lane = id, "gpu engine: work submitted over unfinished work");
+        }
+        lane.ctx.busy.store(true, Ordering::SeqCst);
+        lane.work = Some(work);
+        if lane.run == Run::Idle {
+            make_ready(lane, sched, id, *units);
+            self.inner.wake.notify_one();
+        }
+    }
+
+    /// The lane's gate has reopened: serve it again if it has work.
+    pub(super) fn kick(&self, id: LaneId) {
+        let mut st = lock(&self.inner.state);
+        let State {
+            lanes,
+            sched,
+            units,
+            ..
+        } = &mut *st;
+        let Some(lane) = lanes.get_mut(&id) else {
+            return;
+        };
+        if lane.run == Run::Parked {
+            if lane.work.is_some() {
+                make_ready(lane, sched, id, *units);
+                self.inner.wake.notify_one();
+            } else {
+                lane.run = Run::Idle;
+            }
+        }
+    }
+
+    /// Drop the lane's work item (reset: work fetched before it must not run). The caller
+    /// has the lane quiesced, so no unit of it is executing.
+    pub(super) fn discard(&self, id: LaneId) {
+        let mut st = lock(&self.inner.state);
+        let State { lanes, sched, .. } = &mut *st;
+        let Some(lane) = lanes.get_mut(&id) else {
+            return;
+        };
+        lane.work = None;
+        lane.ctx.busy.store(false, Ordering::SeqCst);
+        if lane.run == Run::Ready {
+            sched.unready(id);
+            lane.run = Run::Idle;
+        }
+    }
+}
+
+fn make_ready(lane: &mut Lane, sched: &mut StrideScheduler, id: LaneId, units: u64) {
+    lane.run = Run::Ready;
+    lane.ready_at = Some(units);
+    lane.ctx
+        .shared
+        .engine
+        .wakeups
+        .fetch_add(1, Ordering::Relaxed);
+    sched.ready(id);
+}
+
+impl Drop for RenderEngine {
+    fn drop(&mut self) {
+        lock(&self.inner.state).stop = true;
+        self.inner.wake.notify_all();
+        if let Some(t) = lock(&self.thread).take() {
+            if t.join().is_err() {
+                tracing::error!(engine = %self.name, "gpu engine thread panicked");
+            }
+        }
+    }
+}
+
+/// The engine thread.
+fn run(inner: &Inner) {
+    let mut st = lock(&inner.state);
+    loop {
+        if st.stop {
+            break;
+        }
+        let Some(id) = st.sched.pick() else {
+            st = inner.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        let units = st.units;
+        let Some(lane) = st.lanes.get_mut(&id) else {
+            continue;
+        };
+        let Some(mut work) = lane.work.take() else {
+            lane.run = Run::Idle;
+            continue;
+        };
+        let ctx = lane.ctx.clone();
+        let Some(exec) = ctx.gate.try_execute() else {
+            // Paused or stopped: keep the work, leave the lane out until `kick`.
+            lane.work = Some(work);
+            lane.run = Run::Parked;
+            continue;
+        };
+        lane.run = Run::Running;
+        if let Some(at) = lane.ready_at.take() {
+            ctx.shared
+                .engine
+                .max_wakeup_delay
+                .fetch_max(units - at, Ordering::Relaxed);
+        }
+        drop(st);
+
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            execute::run_unit(&ctx.shared, &ctx.dma, &mut work)
+        }));
+        let (cost, executed, done, panicked) = match outcome {
+            Ok(o) => (o.cost, o.executed, o.done, false),
+            Err(_) => {
+                tracing::error!(
+                    lane = id,
+                    "gpu engine: a command panicked; the GPU executes nothing more until it \
+                     is reset or re-attached"
+                );
+                (UNIT_BASE_COST, true, true, true)
+            }
+        };
+        if executed {
+            let counters = &ctx.shared.engine;
+            counters.commands.fetch_add(1, Ordering::Relaxed);
+            counters.work.fetch_add(cost, Ordering::Relaxed);
+        }
+
+        st = lock(&inner.state);
+        if executed {
+            st.units += 1;
+        }
+        let State { lanes, sched, .. } = &mut *st;
+        sched.charge(id, cost);
+        if let Some(lane) = lanes.get_mut(&id) {
+            if !done {
+                lane.work = Some(work);
+                lane.run = Run::Ready;
+                sched.ready(id);
+            } else {
+                lane.run = Run::Idle;
+                // After a panic `busy` stays set: the fetcher hands over nothing more (the
+                // command would panic again) until a reset discards the lane's work.
+                if !panicked {
+                    ctx.busy.store(false, Ordering::SeqCst);
+                    ctx.ring_fetcher();
+                }
+            }
+        }
+        // Under the state lock, after the work is back: a pause that waited for this unit
+        // finds the lane's work where `discard` can drop it.
+        drop(exec);
+    }
+    tracing::debug!("gpu engine stopped");
+}
