@@ -388,7 +388,11 @@ fn test_daemon_restart_brings_definitions_back_autostart_serves() {
     // A transient instance, and one created with --auto: only the latter comes back.
     let (transient, _) = create(&d, &["--type", "gpu-4m"]);
     let (created_auto, _) = create(&d, &["--type", "ccw-16m", "--auto"]);
-    assert_eq!(instances(&d).len(), 2, "define starts nothing");
+    // A running transient instance defined as it runs (no --type): back, but not started.
+    let (adopted, _) = create(&d, &["--type", "gpu-16m"]);
+    let out = d.ok(&["define", "--uuid", &adopted]);
+    assert!(out.contains("gpu/gpu-16m, autostart: no"), "{out}");
+    assert_eq!(instances(&d).len(), 3, "define starts nothing");
     let file = d.state().join(format!("definitions/{auto}.json"));
     let def: Value = serde_json::from_str(&fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(
@@ -432,7 +436,7 @@ fn test_daemon_restart_brings_definitions_back_autostart_serves() {
             .as_bool()
             .unwrap()
     };
-    assert!(state(auto) && state(&created_auto) && !state(manual));
+    assert!(state(auto) && state(&created_auto) && !state(manual) && !state(&adopted));
     let table = d.ok(&["list", "--defined"]);
     let row = table.lines().find(|l| l.starts_with(manual)).unwrap();
     assert!(
