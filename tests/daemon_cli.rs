@@ -504,6 +504,30 @@ fn test_daemon_malformed_definition_file_reported_daemon_starts() {
 }
 
 #[test]
+fn test_daemon_autostart_failure_logged_and_reported_by_list_defined() {
+    let mut d = Daemon::start(&[]);
+    let u = "51111111-2222-4333-8444-555555555555";
+    d.ok(&["define", "--type", "gpu-16m", "--uuid", u, "--auto"]);
+    d.stop();
+    // The daemon comes back without that type.
+    d.extra = vec!["--gpu-type".into(), "gpu-4m:4:1".into()];
+    d.restart();
+    assert!(d.log().contains("autostart failed"), "{}", d.log());
+    assert!(instances(&d).is_empty());
+    let table = d.ok(&["list", "--defined"]);
+    let row = table.lines().find(|l| l.starts_with(u)).unwrap();
+    assert!(row.contains("start failed"), "{table}");
+    assert!(
+        table.contains(&format!(
+            "{u}: autostart failed: unknown type \"gpu/gpu-16m\""
+        )),
+        "{table}"
+    );
+    let e = d.fail(&["start", u]);
+    assert!(e.contains("unknown type"), "{e}");
+}
+
+#[test]
 fn test_cli_without_daemon_says_how_to_start_one() {
     let dir = tempfile::tempdir().unwrap();
     let control = dir.path().join("control.sock");

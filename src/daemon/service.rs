@@ -698,3 +698,74 @@ impl Service {
         failed
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use umdev::instance::RegistryConfig;
+    use umdev_devices::gpu::{GpuParent, GpuParentConfig};
+
+    fn service(dir: &std::path::Path) -> Service {
+        let registry = Arc::new(Registry::new(RegistryConfig::new(dir.join("sockets"))).unwrap());
+        let gpu: Arc<dyn Parent> = Arc::new(GpuParent::new(GpuParentConfig::default()).unwrap());
+        registry.add_parent(gpu.clone()).unwrap();
+        let store = Store::open(dir.join("definitions")).unwrap();
+        Service::new(registry, vec![gpu], store, Loaded::default())
+    }
+
+    #[test]
+    fn test_service_second_request_on_claimed_uuid_busy_others_proceed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        let u = "6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11";
+        let held = s.claim(u).unwrap();
+        let e = s
+            .handle(Request::Define {
+                type_spec: Some("gpu-4m".into()),
+                uuid: Some(u.to_uppercase()),
+                params: Params::new(),
+                auto: false,
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Busy, "{e:?}");
+        assert!(e.message.contains("another operation"), "{e:?}");
+        // Another UUID is not held up.
+        s.handle(Request::Create {
+            type_spec: "gpu-4m".into(),
+            uuid: None,
+            params: Params::new(),
+            auto: false,
+        })
+        .unwrap();
+        drop(held);
+        s.handle(Request::Define {
+            type_spec: Some("gpu-4m".into()),
+            uuid: Some(u.into()),
+            params: Params::new(),
+            auto: false,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn test_service_create_auto_definition_unwritable_instance_stopped_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        // The definitions directory vanishes under the daemon: the write fails.
+        std::fs::remove_dir_all(dir.path().join("definitions")).unwrap();
+        let e = s
+            .handle(Request::Create {
+                type_spec: "gpu-4m".into(),
+                uuid: None,
+                params: Params::new(),
+                auto: true,
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Io, "{e:?}");
+        assert!(e.message.contains("writing the definition"), "{e:?}");
+        assert!(s.registry.instances().is_empty(), "the instance was kept");
+        assert!(lock(&s.defs).defined.is_empty());
+        let types = s.types();
+        assert_eq!(types.resources[0].used, 0, "its share is back");
+    }
+}
