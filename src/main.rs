@@ -37,8 +37,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Benchmarks: pin patterns, dma_rw, wire round trips.
     Bench(bench::BenchArgs),
-    /// Serve instances of the GPU and ccw parents, kept across restarts, until Ctrl-C
-    /// (the commands below talk to it).
+    /// Serve many instances of the GPU and ccw parents until Ctrl-C (the commands below).
     Daemon(daemon::DaemonArgs),
     #[command(flatten)]
     Instances(daemon::client::ClientCommand),

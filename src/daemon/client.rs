@@ -30,14 +30,18 @@ pub struct Common {
 /// The commands that talk to `umdev daemon`.
 #[derive(Subcommand, Debug)]
 pub enum ClientCommand {
-    /// List the instance types with how many more instances of each fit, and the parents'
-    /// resources with what is used.
+    /// List the instance types and the parents' resources.
+    ///
+    /// Each type with how many more instances of it fit now; each resource with what the
+    /// running instances use of it.
     Types {
         #[command(flatten)]
         common: Common,
     },
-    /// List the running instances (with --defined: the definitions, and malformed
-    /// definition files).
+    /// List the running instances, or the definitions.
+    ///
+    /// With --defined: every definition (running, stopped, or start failed) and every
+    /// malformed definition file with what is wrong with it.
     List {
         /// List the definitions instead.
         #[arg(long)]
@@ -45,8 +49,10 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Start an instance of a type now. Transient (gone when stopped or when the daemon
-    /// stops) unless --auto, which also defines it with autostart.
+    /// Start an instance of a type now.
+    ///
+    /// Transient (gone when stopped or when the daemon stops) unless --auto, which also
+    /// defines it with autostart.
     Create {
         /// The type: <parent>/<type>, or a type name one parent alone offers (`umdev types`).
         #[arg(long = "type", short = 't', value_name = "TYPE")]
@@ -63,8 +69,9 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Define an instance (persistent; not started): of a type (--type), or a running
-    /// instance as it runs (--uuid alone).
+    /// Define an instance: persistent, not started.
+    ///
+    /// Of a type (--type), or a running instance as it runs (--uuid alone).
     Define {
         /// The type: <parent>/<type>, or a type name one parent alone offers.
         #[arg(long = "type", short = 't', value_name = "TYPE")]
@@ -81,7 +88,9 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Delete a definition; a running instance keeps running (transient from then on).
+    /// Delete a definition.
+    ///
+    /// A running instance keeps running, transient from then on.
     Undefine {
         /// The instance's UUID.
         uuid: String,
@@ -95,8 +104,10 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Stop a running instance (its definition stays). An attached client is asked to
-    /// release it (device-request IRQ) and waited for; then the stop fails unless --force.
+    /// Stop a running instance; its definition stays.
+    ///
+    /// An attached client is asked to release it (the device-request IRQ) and waited for
+    /// (the daemon's --release-timeout); then the stop fails unless --force.
     Stop {
         /// The instance's UUID.
         uuid: String,
@@ -106,8 +117,10 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Stop an instance if it runs and delete its definition: gone for good (a ccw
-    /// instance's image stays in the image directory).
+    /// Stop an instance and delete its definition.
+    ///
+    /// Gone for good (a ccw instance's image stays in the image directory). An attached
+    /// client is treated as by `stop`.
     Remove {
         /// The instance's UUID.
         uuid: String,
@@ -141,7 +154,7 @@ fn params_of(list: Vec<(String, String)>) -> Result<Params, ClientError> {
 pub enum ClientError {
     /// No daemon listens on the control socket.
     #[error(
-        "no umdev daemon is listening on {} ({source})\nhint: start one with `umdev daemon` \
+        "no umdev daemon is listening on {} ({why})\nhint: start one with `umdev daemon` \
          (it serves until Ctrl-C or SIGTERM), or point --control or {env} at the control socket \
          of a daemon started with --socket-dir or --control",
         path.display(),
@@ -150,8 +163,8 @@ pub enum ClientError {
     NoDaemon {
         /// The control socket.
         path: PathBuf,
-        /// Why connecting failed.
-        source: std::io::Error,
+        /// Why connecting failed (in the message: the hint comes last).
+        why: std::io::Error,
     },
     /// Talking to the daemon failed.
     #[error("talking to the daemon on {}: {what}", path.display())]
@@ -198,7 +211,7 @@ pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientEr
         },
         _ => ClientError::NoDaemon {
             path: path.to_path_buf(),
-            source,
+            why: source,
         },
     })?;
     let envelope = RequestEnvelope {
