@@ -1,6 +1,7 @@
 //! The `umdev` command line: serve an example device, demo it without QEMU, or benchmark.
 
 mod bench;
+mod daemon;
 mod demo;
 mod run;
 
@@ -36,6 +37,10 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Benchmarks: pin patterns, dma_rw, wire round trips.
     Bench(bench::BenchArgs),
+    /// Serve many instances of the GPU and ccw parents until Ctrl-C (the commands below).
+    Daemon(daemon::DaemonArgs),
+    #[command(flatten)]
+    Instances(daemon::client::ClientCommand),
 }
 
 fn main() {
@@ -43,8 +48,8 @@ fn main() {
     // A server's log is its report: info by default. A benchmark's report is its tables, so
     // the servers it starts log only warnings unless RUST_LOG asks for more.
     let default_level = match cli.command {
-        Command::Bench(_) => "warn",
-        Command::Run(_) | Command::Demo(_) => "info",
+        Command::Bench(_) | Command::Instances(_) => "warn",
+        Command::Run(_) | Command::Demo(_) | Command::Daemon(_) => "info",
     };
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -59,6 +64,8 @@ fn main() {
         Command::Run(args) => run::run(args),
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Daemon(args) => daemon::run(args),
+        Command::Instances(command) => daemon::client::run(command),
     };
     if let Err(e) = result {
         eprintln!("umdev: {e}");

@@ -167,3 +167,42 @@ fn test_remove_client_without_request_irq_forced_after_timeout() {
     assert!(report.waited >= Duration::from_millis(200));
     assert_eq!(available(&reg, "p", "probe"), 1);
 }
+
+#[test]
+fn test_stop_all_disconnects_without_request_irq_and_releases_pins() {
+    let (_dir, reg, uuid, mut vmm, req) = attached(|c| c.release_timeout = Duration::from_secs(30));
+    vmm.write64(0, REG_ADDR, 1 << 30).unwrap();
+    vmm.write32(0, REG_PIN, 2).unwrap();
+    let idle = reg.create("probe", None, &Params::new()).unwrap();
+    assert_eq!(reg.instance(&uuid).unwrap().dma.pinned_pages, 2);
+
+    let start = std::time::Instant::now();
+    let mut results = reg.stop_all();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "stop_all waited for the release timeout"
+    );
+    results.sort_by(|a, b| a.as_ref().unwrap().uuid.cmp(&b.as_ref().unwrap().uuid));
+    assert_eq!(results.len(), 2);
+    let by_uuid = |u: &str| {
+        results
+            .iter()
+            .map(|r| r.as_ref().unwrap())
+            .find(|r| r.uuid == u)
+            .unwrap()
+            .clone()
+    };
+    let held = by_uuid(&uuid);
+    assert!(held.client_was_attached && held.forced && !held.release_requested);
+    assert_eq!(held.dma.pinned_pages, 0, "{:?}", held.dma);
+    assert_eq!(held.dma.maps, 0);
+    assert_eq!(held.dma.leaked_pins_released, 2);
+    let idle_report = by_uuid(&idle.uuid);
+    assert!(!idle_report.client_was_attached && !idle_report.forced);
+    // The client was cut off without being asked to let go.
+    assert_eq!(wait_eventfd(&req, Duration::from_millis(100)), None);
+    assert!(vmm.read32(0, REG_ID).is_err());
+    assert!(reg.instances().is_empty());
+    assert!(!idle.socket.exists(), "socket removed");
+    assert_eq!(available(&reg, "p", "probe"), 2);
+}

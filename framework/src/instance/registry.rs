@@ -660,6 +660,82 @@ impl Registry {
         info!(uuid, "instance removed");
         Ok(report)
     }
+
+    /// Stop every served instance at once, as a server's shutdown does (a daemon that is
+    /// going away, not a device being removed): an attached client is disconnected without
+    /// the device-request IRQ, its connection's teardown runs (unmap notifier, pins the
+    /// device left force-released), and each server is waited for up to
+    /// [`RegistryConfig::teardown_timeout`], all in the same window. One result per
+    /// instance: its report (`forced` when a client was disconnected; the DMA
+    /// counters after the teardown), `Busy` for one whose removal or creation is under way
+    /// (left to it), or `Stuck` for a device stuck in a call (it stays registered, and
+    /// dropping the registry leaves its server behind).
+    pub fn stop_all(&self) -> Vec<Result<RemovalReport, InstanceError>> {
+        let mut all: Vec<Arc<Instance>> =
+            self.instances.iter().map(|e| e.value().clone()).collect();
+        all.sort_by(|a, b| a.uuid.cmp(&b.uuid));
+        let mut results = Vec::new();
+        let mut stopping = Vec::new();
+        for instance in all {
+            if instance.removing.swap(true, Ordering::AcqRel) {
+                results.push(Err(InstanceError::Busy(instance.uuid.clone())));
+                continue;
+            }
+            let taken = instance.served_mut().take();
+            match taken {
+                Some(served) => {
+                    let attached = served.server.client_attached();
+                    served.server.shutdown_handle().shutdown();
+                    stopping.push((instance, served, attached));
+                }
+                None => {
+                    instance.removing.store(false, Ordering::Release);
+                    results.push(Err(InstanceError::Busy(instance.uuid.clone())));
+                }
+            }
+        }
+        let deadline = Instant::now() + self.config.teardown_timeout;
+        for (instance, served, attached) in stopping {
+            let uuid = instance.uuid.as_str();
+            while !served.server.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if !served.server.is_finished() {
+                error!(
+                    uuid,
+                    "stop: the server did not stop; the instance stays registered"
+                );
+                *instance.served_mut() = Some(served);
+                instance.removing.store(false, Ordering::Release);
+                results.push(Err(InstanceError::Stuck {
+                    uuid: uuid.to_owned(),
+                    waited: self.config.teardown_timeout,
+                }));
+                continue;
+            }
+            if let Err(e) = served.server.join() {
+                warn!(uuid, error = %e, "the instance's server ended with an error");
+            }
+            let dma = served.dma.stats();
+            self.instances.remove(uuid);
+            info!(
+                uuid,
+                client_disconnected = attached,
+                pinned_pages = dma.pinned_pages,
+                leaked_pins_released = dma.leaked_pins_released,
+                "instance stopped"
+            );
+            results.push(Ok(RemovalReport {
+                uuid: uuid.to_owned(),
+                client_was_attached: attached,
+                release_requested: false,
+                waited: Duration::ZERO,
+                forced: attached,
+                dma,
+            }));
+        }
+        results
+    }
 }
 
 impl Drop for Registry {

@@ -1,0 +1,560 @@
+//! The control protocol between `umdev daemon` and the client commands: one request and one
+//! response per connection on the control socket, each one JSON text followed by a newline.
+//!
+//! ```text
+//! client → daemon   {"version":1,"request":{"op":"create","type":"gpu-4m","auto":true}}\n
+//! daemon → client   {"version":1,"ok":{"reply":"started","instance":{...}}}\n
+//!               or  {"version":1,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
+//! ```
+//!
+//! # Versioning
+//! Both sides send [`PROTOCOL_VERSION`]. The daemon reads the envelope (`version`, and
+//! `request` as any JSON value) before it reads the request, so a daemon answers a client of
+//! another version with a `version_mismatch` error naming both versions, whatever that
+//! client's requests look like; the client checks the response's `version` the same way.
+//! The version rises with every change a peer of the previous version would misread; a
+//! field added with a default (read as absent by an older peer) does not raise it.
+//!
+//! # Bounds
+//! A message is at most [`MAX_MESSAGE`] bytes (the newline included); a longer one, or one
+//! that is not valid JSON, gets a `bad_request` error. The daemon waits at most
+//! [`REQUEST_TIMEOUT`] for a request. Nothing here is trusted more for coming from the
+//! socket's owner: every field is checked as an admin's input is.
+//!
+//! `protocol-docs/lifecycle.md` documents every request and reply.
+
+use std::io::{self, BufRead, Read};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use umdev::instance::Params;
+
+/// The control protocol's version (see the module doc).
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The largest message, newline included.
+pub const MAX_MESSAGE: usize = 1 << 20;
+/// How long the daemon waits for a connected client's request.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a client asks for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Every type with its availability, and every resource with its use.
+    Types,
+    /// The running instances, or (`defined`) the definitions.
+    List {
+        /// List definitions instead of running instances.
+        #[serde(default)]
+        defined: bool,
+    },
+    /// Start an instance of a type now: transient, or also defined with autostart (`auto`).
+    Create {
+        /// `<parent>/<type>`, or a type name one parent alone offers.
+        #[serde(rename = "type")]
+        type_spec: String,
+        /// The UUID (a new random one if absent).
+        #[serde(default)]
+        uuid: Option<String>,
+        /// The parent's parameters.
+        #[serde(default)]
+        params: Params,
+        /// Also write a definition marked autostart.
+        #[serde(default)]
+        auto: bool,
+    },
+    /// Write a definition: of a new instance of a type (`type_spec`), or of a running
+    /// instance (`uuid` alone). Nothing is started.
+    Define {
+        /// The type; absent to define the running instance `uuid` as it runs.
+        #[serde(rename = "type", default)]
+        type_spec: Option<String>,
+        /// The UUID (a new random one if absent and `type_spec` is given).
+        #[serde(default)]
+        uuid: Option<String>,
+        /// The parent's parameters (only with `type_spec`).
+        #[serde(default)]
+        params: Params,
+        /// Mark it autostart.
+        #[serde(default)]
+        auto: bool,
+    },
+    /// Delete a definition (a running instance keeps running, transient from then on).
+    Undefine {
+        /// The UUID.
+        uuid: String,
+    },
+    /// Start a defined instance.
+    Start {
+        /// The UUID.
+        uuid: String,
+    },
+    /// Stop a running instance; its definition, if any, stays.
+    Stop {
+        /// The UUID.
+        uuid: String,
+        /// Disconnect a client that does not let go.
+        #[serde(default)]
+        force: bool,
+    },
+    /// Stop a running instance and delete its definition: gone for good.
+    Remove {
+        /// The UUID.
+        uuid: String,
+        /// Disconnect a client that does not let go.
+        #[serde(default)]
+        force: bool,
+    },
+}
+
+/// What a client sends: its version and its request.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RequestEnvelope<R> {
+    /// The client's [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The request ([`Request`]; any JSON value when the daemon reads the envelope).
+    pub request: R,
+}
+
+/// What the daemon answers: its version, and a reply or an error.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Response {
+    /// The daemon's [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The reply, on success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ok: Option<Reply>,
+    /// The error, on failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ControlError>,
+}
+
+impl Response {
+    /// The response of a request's result.
+    pub fn of(result: Result<Reply, ControlError>) -> Response {
+        let (ok, error) = match result {
+            Ok(r) => (Some(r), None),
+            Err(e) => (None, Some(e)),
+        };
+        Response {
+            version: PROTOCOL_VERSION,
+            ok,
+            error,
+        }
+    }
+}
+
+/// A successful reply, one kind per request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// `types`.
+    Types(TypesReply),
+    /// `list`.
+    Instances(InstancesReply),
+    /// `list` with `defined`.
+    Definitions(DefinitionsReply),
+    /// `create`, `start`.
+    Started(StartedReply),
+    /// `define`.
+    Defined(DefinedReply),
+    /// `undefine`.
+    Undefined(UndefinedReply),
+    /// `stop`, `remove`.
+    Removed(RemovedReply),
+}
+
+/// What one instance of a type takes of a resource.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Need {
+    /// The resource.
+    pub resource: String,
+    /// The amount.
+    pub amount: u64,
+}
+
+/// A type and how many more instances of it can be created now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeRow {
+    /// The parent that offers it.
+    pub parent: String,
+    /// The type's name within the parent.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    /// One line for humans.
+    pub description: String,
+    /// The VFIO device API (`vfio-pci`).
+    pub device_api: String,
+    /// How many more instances fit now.
+    pub available_instances: u64,
+    /// What one instance takes.
+    pub needs: Vec<Need>,
+}
+
+/// A resource of a parent and how much of it is used.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceRow {
+    /// The parent.
+    pub parent: String,
+    /// The resource.
+    pub resource: String,
+    /// Its unit.
+    pub unit: String,
+    /// What the running instances take.
+    pub used: u64,
+    /// The parent's total.
+    pub total: u64,
+}
+
+/// Reply to `types`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypesReply {
+    /// Every type.
+    pub types: Vec<TypeRow>,
+    /// Every resource.
+    pub resources: Vec<ResourceRow>,
+}
+
+/// An instance's DMA counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DmaRow {
+    /// DMA mappings.
+    pub maps: u64,
+    /// Pages pinned.
+    pub pinned_pages: u64,
+    /// Pages locked.
+    pub locked_pages: u64,
+    /// Pins the device left behind, force-released so far.
+    pub leaked_pins_released: u64,
+}
+
+impl From<umdev::dma::DmaStats> for DmaRow {
+    fn from(s: umdev::dma::DmaStats) -> DmaRow {
+        DmaRow {
+            maps: s.maps,
+            pinned_pages: s.pinned_pages,
+            locked_pages: s.locked_pages,
+            leaked_pins_released: s.leaked_pins_released,
+        }
+    }
+}
+
+/// A running instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstanceRow {
+    /// UUID.
+    pub uuid: String,
+    /// Parent.
+    pub parent: String,
+    /// Type within the parent.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    /// Parameters.
+    pub params: Params,
+    /// The vfio-user socket a VMM connects to.
+    pub socket: PathBuf,
+    /// A client is connected.
+    pub client_attached: bool,
+    /// It has a definition.
+    pub defined: bool,
+    /// Its definition is marked autostart.
+    pub autostart: bool,
+    /// Its DMA counters.
+    pub dma: DmaRow,
+}
+
+/// Reply to `list`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstancesReply {
+    /// The running instances, by UUID.
+    pub instances: Vec<InstanceRow>,
+}
+
+/// A definition.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinitionRow {
+    /// UUID.
+    pub uuid: String,
+    /// Parent.
+    pub parent: String,
+    /// Type within the parent.
+    #[serde(rename = "type")]
+    pub type_name: String,
+    /// Parameters.
+    pub params: Params,
+    /// Started when the daemon starts.
+    pub autostart: bool,
+    /// Running now.
+    pub running: bool,
+    /// Its file.
+    pub path: PathBuf,
+    /// Why its last autostart failed (until it is started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_error: Option<String>,
+}
+
+/// A definition file the daemon could not read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrokenRow {
+    /// The file.
+    pub path: PathBuf,
+    /// The UUID its name gives, when it is `<uuid>.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// What is wrong with it.
+    pub error: String,
+}
+
+/// Reply to `list --defined`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinitionsReply {
+    /// The definitions, by UUID.
+    pub definitions: Vec<DefinitionRow>,
+    /// The files that are not definitions the daemon can read.
+    pub broken: Vec<BrokenRow>,
+}
+
+/// Reply to `create` and `start`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartedReply {
+    /// The instance, now served.
+    pub instance: InstanceRow,
+    /// The definition written (`create --auto`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub definition: Option<PathBuf>,
+}
+
+/// Reply to `define`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinedReply {
+    /// The definition written.
+    pub definition: DefinitionRow,
+}
+
+/// Reply to `undefine`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UndefinedReply {
+    /// UUID.
+    pub uuid: String,
+    /// The file deleted.
+    pub path: PathBuf,
+    /// The instance is running (transient from now on).
+    pub running: bool,
+}
+
+/// What stopping an instance did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovalRow {
+    /// UUID.
+    pub uuid: String,
+    /// A client was attached.
+    pub client_was_attached: bool,
+    /// The device-request IRQ was signalled.
+    pub release_requested: bool,
+    /// How long the client was waited for, ms.
+    pub waited_ms: u64,
+    /// The client was disconnected (`--force`).
+    pub forced: bool,
+    /// DMA counters after the teardown.
+    pub dma: DmaRow,
+}
+
+impl From<umdev::instance::RemovalReport> for RemovalRow {
+    fn from(r: umdev::instance::RemovalReport) -> RemovalRow {
+        RemovalRow {
+            uuid: r.uuid,
+            client_was_attached: r.client_was_attached,
+            release_requested: r.release_requested,
+            waited_ms: u64::try_from(r.waited.as_millis()).unwrap_or(u64::MAX),
+            forced: r.forced,
+            dma: r.dma.into(),
+        }
+    }
+}
+
+/// Reply to `stop` and `remove`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovedReply {
+    /// UUID.
+    pub uuid: String,
+    /// The stop of the running instance (absent when it was not running: `remove` of a
+    /// definition alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<RemovalRow>,
+    /// The definition file deleted (`remove`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undefined: Option<PathBuf>,
+}
+
+/// What kind of failure: a client may act on it without parsing the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// No parent offers the type.
+    UnknownType,
+    /// Several parents offer the bare type name.
+    AmbiguousType,
+    /// A resource (named in the message) ran out.
+    Exhausted,
+    /// The UUID names a running instance or a definition.
+    UuidInUse,
+    /// No running instance or definition has the UUID.
+    NoSuchInstance,
+    /// The UUID has no definition.
+    NotDefined,
+    /// The instance is not running.
+    NotRunning,
+    /// The instance is running already.
+    AlreadyRunning,
+    /// The UUID's definition file is malformed.
+    BrokenDefinition,
+    /// A parameter (or the UUID's syntax) is wrong.
+    BadParam,
+    /// A client is attached and did not let go, or another operation on the UUID is
+    /// under way.
+    Busy,
+    /// The device did not finish its teardown in time.
+    Stuck,
+    /// The device could not be built.
+    Device,
+    /// A file or socket operation failed.
+    Io,
+    /// The request could not be read.
+    BadRequest,
+    /// The peers speak different protocol versions.
+    VersionMismatch,
+    /// The daemon is stopping, or has too many connections.
+    Unavailable,
+    /// A bug or an inconsistent configuration.
+    Internal,
+}
+
+/// A failure, as the client shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ControlError {
+    /// What kind.
+    pub kind: ErrorKind,
+    /// What happened, for humans.
+    pub message: String,
+    /// What to do about it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
+}
+
+impl ControlError {
+    /// An error without a hint.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ControlError {
+        ControlError {
+            kind,
+            message: message.into(),
+            hint: None,
+        }
+    }
+
+    /// The same error with a hint.
+    pub fn hint(mut self, hint: impl Into<String>) -> ControlError {
+        self.hint = Some(hint.into());
+        self
+    }
+}
+
+/// Why a message could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The peer closed the connection before sending anything.
+    #[error("the connection closed before a message arrived")]
+    Empty,
+    /// More than [`MAX_MESSAGE`] bytes without a newline.
+    #[error("message longer than {MAX_MESSAGE} bytes")]
+    TooLong,
+    /// The socket failed (a timeout included).
+    #[error("reading the message")]
+    Io(#[source] io::Error),
+}
+
+/// Read one message: the bytes up to the first newline (or the end of the stream), at most
+/// [`MAX_MESSAGE`] bytes.
+pub fn read_message(stream: impl Read) -> Result<Vec<u8>, FrameError> {
+    let mut buf = Vec::new();
+    let mut limited = io::BufReader::new(stream.take(MAX_MESSAGE as u64 + 1));
+    limited
+        .read_until(b'\n', &mut buf)
+        .map_err(FrameError::Io)?;
+    if buf.len() > MAX_MESSAGE {
+        return Err(FrameError::TooLong);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    }
+    if buf.iter().all(u8::is_ascii_whitespace) {
+        return Err(FrameError::Empty);
+    }
+    Ok(buf)
+}
+
+/// One message: `value` as JSON and a newline.
+pub fn encode(value: &impl Serialize) -> Vec<u8> {
+    // Serializing these plain structs (string keys, no non-finite floats) cannot fail.
+    let mut v = serde_json::to_vec(value).unwrap_or_else(|e| {
+        serde_json::json!({
+            "version": PROTOCOL_VERSION,
+            "error": { "kind": "internal", "message": e.to_string() },
+        })
+        .to_string()
+        .into_bytes()
+    });
+    v.push(b'\n');
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_request_json_shape_round_trips() {
+        let req = Request::Create {
+            type_spec: "gpu/gpu-4m".into(),
+            uuid: None,
+            params: Params::from([("k".to_string(), "v".to_string())]),
+            auto: true,
+        };
+        let text = String::from_utf8(encode(&RequestEnvelope {
+            version: PROTOCOL_VERSION,
+            request: &req,
+        }))
+        .unwrap();
+        assert_eq!(
+            text,
+            "{\"version\":1,\"request\":{\"op\":\"create\",\"type\":\"gpu/gpu-4m\",\"uuid\":null,\"params\":{\"k\":\"v\"},\"auto\":true}}\n"
+        );
+        let back: RequestEnvelope<Request> = serde_json::from_str(text.trim_end()).unwrap();
+        assert_eq!(back.request, req);
+        // Optional fields may be left out.
+        let short: Request = serde_json::from_str(r#"{"op":"stop","uuid":"u"}"#).unwrap();
+        assert_eq!(
+            short,
+            Request::Stop {
+                uuid: "u".into(),
+                force: false
+            }
+        );
+    }
+
+    #[test]
+    fn test_read_message_stops_at_newline_and_bounds_length() {
+        assert_eq!(read_message(&b"{}\nrest"[..]).unwrap(), b"{}");
+        assert_eq!(read_message(&b"{}"[..]).unwrap(), b"{}");
+        assert!(matches!(read_message(&b""[..]), Err(FrameError::Empty)));
+        assert!(matches!(read_message(&b"\n"[..]), Err(FrameError::Empty)));
+        let long = vec![b'x'; MAX_MESSAGE + 10];
+        assert!(matches!(read_message(&long[..]), Err(FrameError::TooLong)));
+        let mut fits = vec![b'x'; MAX_MESSAGE - 1];
+        fits.push(b'\n');
+        assert_eq!(read_message(&fits[..]).unwrap().len(), MAX_MESSAGE - 1);
+        fits.insert(0, b'x');
+        assert!(matches!(read_message(&fits[..]), Err(FrameError::TooLong)));
+    }
+}

@@ -1,0 +1,771 @@
+//! The daemon's operations: what each control request does to the registry (running
+//! instances) and the store (definitions), with mdevctl's semantics.
+//!
+//! | request | running instance | definition |
+//! |---|---|---|
+//! | `create` | started now | none (transient), or written with autostart (`auto`) |
+//! | `define` | untouched (a running instance given by UUID alone is defined as it runs) | written |
+//! | `undefine` | keeps running, transient from then on | deleted |
+//! | `start` | started from its definition | required |
+//! | `stop` | stopped | kept |
+//! | `remove` | stopped | deleted |
+//!
+//! # Invariants
+//! - **One operation per UUID at a time.** Every request that changes an instance or a
+//!   definition first claims the UUID; a second request on the same UUID meanwhile gets
+//!   `busy` at once. Requests on different UUIDs run in parallel; nothing is held across a
+//!   removal's wait but the claim of that one UUID.
+//! - **A UUID names one thing.** `create` and `define` of a type refuse a UUID that a
+//!   running instance, a definition or a broken definition file has.
+//! - **The files are the truth after a restart.** The definitions in memory are what the
+//!   store loaded at startup plus what this daemon wrote since, each written to its file
+//!   before it is reported; a failed write leaves neither (a `create --auto` whose
+//!   definition cannot be written stops the instance again).
+//! - Definitions take no resources while they are not running (as mdevctl's do not): a
+//!   `start` can fail with `exhausted`; an autostart that fails is logged and reported by
+//!   `list --defined` until the instance starts.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tracing::{info, warn};
+use umdev::instance::{InstanceError, InstanceInfo, Params, Parent, Registry};
+
+use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
+use super::protocol::{
+    BrokenRow, ControlError, DefinedReply, DefinitionRow, DefinitionsReply, ErrorKind, InstanceRow,
+    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, StartedReply, TypeRow,
+    TypesReply, UndefinedReply,
+};
+
+/// The definitions in memory.
+#[derive(Default)]
+struct Defs {
+    defined: BTreeMap<String, Definition>,
+    broken: Vec<BrokenRow>,
+    /// Why the last autostart of a definition failed, until it starts.
+    start_errors: BTreeMap<String, String>,
+}
+
+impl Defs {
+    fn broken_of(&self, uuid: &str) -> Option<&BrokenRow> {
+        self.broken.iter().find(|b| b.uuid.as_deref() == Some(uuid))
+    }
+}
+
+/// The registry, the parents registered in it, and the definitions.
+pub struct Service {
+    registry: Arc<Registry>,
+    parents: Vec<Arc<dyn Parent>>,
+    store: Store,
+    defs: Mutex<Defs>,
+    claims: Mutex<HashSet<String>>,
+}
+
+/// A UUID claimed by an operation; released on drop.
+struct Claim<'a> {
+    service: &'a Service,
+    uuid: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        lock(&self.service.claims).remove(&self.uuid);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `e` and its sources, joined with ": ".
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// What the admin was doing, for the hints of errors.
+#[derive(Clone, Copy)]
+enum Op {
+    Create,
+    Define,
+    Start,
+    Stop,
+    Remove,
+}
+
+/// The control error of a registry error during `op` on `uuid`.
+fn instance_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
+    let message = chain(&e);
+    let err = |kind| ControlError::new(kind, message.clone());
+    match e {
+        InstanceError::UnknownType(_) => {
+            err(ErrorKind::UnknownType).hint("`umdev types` lists the types")
+        }
+        InstanceError::AmbiguousType { .. } => err(ErrorKind::AmbiguousType),
+        InstanceError::Exhausted { .. } => err(ErrorKind::Exhausted).hint(
+            "`umdev types` shows what is left of each resource; stopping an instance gives \
+             its share back",
+        ),
+        InstanceError::UuidInUse(_) => err(ErrorKind::UuidInUse)
+            .hint("`umdev list` and `umdev list --defined` show the UUIDs in use"),
+        InstanceError::NoSuchInstance(_) => err(ErrorKind::NoSuchInstance),
+        InstanceError::BadParam { .. } => err(ErrorKind::BadParam),
+        InstanceError::Busy(_) => {
+            let cmd = match op {
+                Op::Stop => "stop",
+                _ => "remove",
+            };
+            err(ErrorKind::Busy).hint(format!(
+                "the client was asked to release the device and did not; `umdev {cmd} {uuid} \
+                 --force` disconnects it (its DMA maps and pins are released)"
+            ))
+        }
+        InstanceError::Stuck { .. } => err(ErrorKind::Stuck)
+            .hint("the instance stays registered; try again later, or restart the daemon"),
+        InstanceError::Device(_) => err(ErrorKind::Device),
+        InstanceError::Io { .. } => err(ErrorKind::Io),
+        InstanceError::InvalidParent { .. } => err(ErrorKind::Internal),
+    }
+}
+
+fn bad_uuid(uuid: &str) -> ControlError {
+    ControlError::new(
+        ErrorKind::BadParam,
+        format!("{uuid:?} is not a UUID (e.g. 6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11)"),
+    )
+}
+
+fn instance_row(i: InstanceInfo, defs: &Defs) -> InstanceRow {
+    let def = defs.defined.get(&i.uuid);
+    InstanceRow {
+        defined: def.is_some(),
+        autostart: def.is_some_and(|d| d.autostart),
+        uuid: i.uuid,
+        parent: i.parent,
+        type_name: i.type_name,
+        params: i.params,
+        socket: i.socket,
+        client_attached: i.client_attached,
+        dma: i.dma.into(),
+    }
+}
+
+impl Service {
+    /// A service over `registry` (whose parents are `parents`) and the definitions
+    /// `loaded` from `store`.
+    pub fn new(
+        registry: Arc<Registry>,
+        parents: Vec<Arc<dyn Parent>>,
+        store: Store,
+        loaded: Loaded,
+    ) -> Service {
+        Service {
+            registry,
+            parents,
+            store,
+            defs: Mutex::new(Defs {
+                defined: loaded.definitions,
+                broken: loaded.broken,
+                start_errors: BTreeMap::new(),
+            }),
+            claims: Mutex::new(HashSet::new()),
+        }
+    }
+
+    fn claim(&self, uuid: &str) -> Result<Claim<'_>, ControlError> {
+        if !lock(&self.claims).insert(uuid.to_owned()) {
+            return Err(ControlError::new(
+                ErrorKind::Busy,
+                format!("another operation on {uuid} is under way"),
+            ));
+        }
+        Ok(Claim {
+            service: self,
+            uuid: uuid.to_owned(),
+        })
+    }
+
+    fn definition_row(&self, def: &Definition, defs: &Defs) -> DefinitionRow {
+        DefinitionRow {
+            uuid: def.uuid.clone(),
+            parent: def.parent.clone(),
+            type_name: def.type_name.clone(),
+            params: def.params.clone(),
+            autostart: def.autostart,
+            running: self.registry.instance(&def.uuid).is_ok(),
+            path: self.store.path_of(&def.uuid),
+            start_error: defs.start_errors.get(&def.uuid).cloned(),
+        }
+    }
+
+    /// Start every definition marked autostart; log each outcome. Returns (started,
+    /// failed).
+    pub fn autostart(&self) -> (usize, usize) {
+        let autos: Vec<Definition> = lock(&self.defs)
+            .defined
+            .values()
+            .filter(|d| d.autostart)
+            .cloned()
+            .collect();
+        let (mut started, mut failed) = (0, 0);
+        for def in autos {
+            match self.start_definition(&def) {
+                Ok(info) => {
+                    started += 1;
+                    info!(uuid = %def.uuid, socket = %info.socket.display(), "autostart: started");
+                }
+                Err(e) => {
+                    failed += 1;
+                    let why = chain(&e);
+                    warn!(uuid = %def.uuid, error = %why, "autostart failed");
+                    lock(&self.defs).start_errors.insert(def.uuid.clone(), why);
+                }
+            }
+        }
+        (started, failed)
+    }
+
+    fn start_definition(&self, def: &Definition) -> Result<InstanceInfo, InstanceError> {
+        let info = self
+            .registry
+            .create(&def.type_spec(), Some(&def.uuid), &def.params)?;
+        lock(&self.defs).start_errors.remove(&def.uuid);
+        Ok(info)
+    }
+
+    /// Answer one request.
+    pub fn handle(&self, request: Request) -> Result<Reply, ControlError> {
+        match request {
+            Request::Types => Ok(Reply::Types(self.types())),
+            Request::List { defined: false } => Ok(Reply::Instances(self.list())),
+            Request::List { defined: true } => Ok(Reply::Definitions(self.list_defined())),
+            Request::Create {
+                type_spec,
+                uuid,
+                params,
+                auto,
+            } => self.create(&type_spec, uuid.as_deref(), &params, auto),
+            Request::Define {
+                type_spec,
+                uuid,
+                params,
+                auto,
+            } => self.define(type_spec.as_deref(), uuid.as_deref(), &params, auto),
+            Request::Undefine { uuid } => self.undefine(&uuid),
+            Request::Start { uuid } => self.start(&uuid),
+            Request::Stop { uuid, force } => self.stop_or_remove(&uuid, force, Op::Stop),
+            Request::Remove { uuid, force } => self.stop_or_remove(&uuid, force, Op::Remove),
+        }
+    }
+
+    fn types(&self) -> TypesReply {
+        let resources = self.registry.resources();
+        let unit_of = |parent: &str, name: &str| {
+            resources
+                .iter()
+                .find(|r| r.parent == parent && r.resource.name == name)
+                .map(|r| r.resource.unit.clone())
+        };
+        let types = self
+            .registry
+            .types()
+            .into_iter()
+            .map(|t| TypeRow {
+                needs: t
+                    .instance_type
+                    .needs
+                    .iter()
+                    .map(|(resource, amount)| Need {
+                        resource: resource.clone(),
+                        amount: *amount,
+                    })
+                    .collect(),
+                parent: t.parent,
+                type_name: t.instance_type.name,
+                description: t.instance_type.description,
+                device_api: t.instance_type.device_api,
+                available_instances: t.available_instances,
+            })
+            .collect();
+        let resources = resources
+            .iter()
+            .map(|r| ResourceRow {
+                parent: r.parent.clone(),
+                resource: r.resource.name.clone(),
+                unit: unit_of(&r.parent, &r.resource.name).unwrap_or_default(),
+                used: r.used,
+                total: r.resource.total,
+            })
+            .collect();
+        TypesReply { types, resources }
+    }
+
+    fn list(&self) -> InstancesReply {
+        let running = self.registry.instances();
+        let defs = lock(&self.defs);
+        InstancesReply {
+            instances: running
+                .into_iter()
+                .map(|i| instance_row(i, &defs))
+                .collect(),
+        }
+    }
+
+    fn list_defined(&self) -> DefinitionsReply {
+        let defs = lock(&self.defs);
+        DefinitionsReply {
+            definitions: defs
+                .defined
+                .values()
+                .map(|d| self.definition_row(d, &defs))
+                .collect(),
+            broken: defs.broken.clone(),
+        }
+    }
+
+    /// The UUID is free for a new definition or instance: no definition (readable or
+    /// broken) and no running instance.
+    fn check_free(&self, uuid: &str, op: Op) -> Result<(), ControlError> {
+        let defs = lock(&self.defs);
+        let in_use = |why: String| ControlError::new(ErrorKind::UuidInUse, why);
+        if defs.defined.contains_key(uuid) {
+            let e = in_use(format!("UUID {uuid} is in use: it has a definition"));
+            return Err(match op {
+                Op::Create => e.hint(format!("`umdev start {uuid}` starts it")),
+                _ => e.hint(format!("`umdev undefine {uuid}` deletes it")),
+            });
+        }
+        if let Some(b) = defs.broken_of(uuid) {
+            return Err(in_use(format!(
+                "UUID {uuid} is in use: its definition file {} is malformed ({})",
+                b.path.display(),
+                b.error
+            ))
+            .hint(format!(
+                "fix the file and restart the daemon, or `umdev undefine {uuid}` deletes it"
+            )));
+        }
+        drop(defs);
+        if self.registry.instance(uuid).is_ok() {
+            let e = in_use(format!("UUID {uuid} is in use: an instance is running"));
+            return Err(match op {
+                Op::Define => e.hint(format!(
+                    "`umdev define --uuid {uuid}` (without --type) defines it as it runs"
+                )),
+                _ => e,
+            });
+        }
+        Ok(())
+    }
+
+    fn canonical(&self, uuid: Option<&str>) -> Result<String, ControlError> {
+        match uuid {
+            Some(u) => canonical_uuid(u).ok_or_else(|| bad_uuid(u)),
+            None => Ok(uuid::Uuid::new_v4().hyphenated().to_string()),
+        }
+    }
+
+    fn write_definition(&self, def: Definition) -> Result<PathBuf, ControlError> {
+        let path = self.store.write(&def).map_err(|e| {
+            ControlError::new(
+                ErrorKind::Io,
+                format!("writing the definition: {}", chain(&e)),
+            )
+        })?;
+        info!(uuid = %def.uuid, r#type = %def.type_spec(), autostart = def.autostart, path = %path.display(), "defined");
+        lock(&self.defs).defined.insert(def.uuid.clone(), def);
+        Ok(path)
+    }
+
+    fn create(
+        &self,
+        type_spec: &str,
+        uuid: Option<&str>,
+        params: &Params,
+        auto: bool,
+    ) -> Result<Reply, ControlError> {
+        let uuid = self.canonical(uuid)?;
+        let _claim = self.claim(&uuid)?;
+        self.check_free(&uuid, Op::Create)?;
+        let info = self
+            .registry
+            .create(type_spec, Some(&uuid), params)
+            .map_err(|e| instance_error(e, Op::Create, &uuid))?;
+        let mut definition = None;
+        if auto {
+            let def = Definition {
+                version: DEFINITION_VERSION,
+                uuid: uuid.clone(),
+                parent: info.parent.clone(),
+                type_name: info.type_name.clone(),
+                params: info.params.clone(),
+                autostart: true,
+            };
+            match self.write_definition(def) {
+                Ok(path) => definition = Some(path),
+                Err(e) => {
+                    warn!(
+                        uuid,
+                        "the definition could not be written: stopping the instance again"
+                    );
+                    if let Err(stop) = self.registry.remove(&uuid, true) {
+                        warn!(uuid, error = %chain(&stop), "stopping the instance failed");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let defs = lock(&self.defs);
+        Ok(Reply::Started(StartedReply {
+            instance: instance_row(info, &defs),
+            definition,
+        }))
+    }
+
+    /// Resolve a type as the registry does: `<parent>/<type>` or a bare name one parent
+    /// alone offers.
+    fn resolve(&self, spec: &str) -> Result<(Arc<dyn Parent>, String), ControlError> {
+        let unknown =
+            || instance_error(InstanceError::UnknownType(spec.to_owned()), Op::Define, "");
+        let offers = |p: &Arc<dyn Parent>, t: &str| p.types().iter().any(|ty| ty.name == t);
+        if let Some((pname, tname)) = spec.split_once('/') {
+            let parent = self
+                .parents
+                .iter()
+                .find(|p| p.name() == pname && offers(p, tname))
+                .ok_or_else(unknown)?;
+            return Ok((parent.clone(), tname.to_owned()));
+        }
+        let found: Vec<&Arc<dyn Parent>> =
+            self.parents.iter().filter(|p| offers(p, spec)).collect();
+        match found.as_slice() {
+            [] => Err(unknown()),
+            [one] => Ok(((*one).clone(), spec.to_owned())),
+            many => Err(instance_error(
+                InstanceError::AmbiguousType {
+                    name: spec.to_owned(),
+                    parents: many.iter().map(|p| p.name().to_owned()).collect(),
+                },
+                Op::Define,
+                "",
+            )),
+        }
+    }
+
+    fn define(
+        &self,
+        type_spec: Option<&str>,
+        uuid: Option<&str>,
+        params: &Params,
+        auto: bool,
+    ) -> Result<Reply, ControlError> {
+        let def = match (type_spec, uuid) {
+            (None, None) => {
+                return Err(ControlError::new(
+                    ErrorKind::BadRequest,
+                    "define needs --type (a new definition), or --uuid of a running instance",
+                ))
+            }
+            (None, Some(u)) => {
+                if !params.is_empty() {
+                    return Err(ControlError::new(
+                        ErrorKind::BadRequest,
+                        "parameters need --type: a running instance is defined with its own",
+                    ));
+                }
+                let uuid = self.canonical(Some(u))?;
+                let claim = self.claim(&uuid)?;
+                let info = self.registry.instance(&uuid).map_err(|_| {
+                    ControlError::new(ErrorKind::NotRunning, format!("{uuid} is not running"))
+                        .hint("give --type to define a new instance")
+                })?;
+                let defs = lock(&self.defs);
+                if defs.defined.contains_key(&uuid) || defs.broken_of(&uuid).is_some() {
+                    return Err(ControlError::new(
+                        ErrorKind::UuidInUse,
+                        format!("UUID {uuid} is in use: it has a definition"),
+                    )
+                    .hint(format!("`umdev undefine {uuid}` deletes it")));
+                }
+                drop(defs);
+                let def = Definition {
+                    version: DEFINITION_VERSION,
+                    uuid,
+                    parent: info.parent,
+                    type_name: info.type_name,
+                    params: info.params,
+                    autostart: auto,
+                };
+                return self.finish_define(def, claim);
+            }
+            (Some(spec), u) => {
+                let (parent, type_name) = self.resolve(spec)?;
+                parent
+                    .check_params(&type_name, params)
+                    .map_err(|e| instance_error(e, Op::Define, ""))?;
+                Definition {
+                    version: DEFINITION_VERSION,
+                    uuid: self.canonical(u)?,
+                    parent: parent.name().to_owned(),
+                    type_name,
+                    params: params.clone(),
+                    autostart: auto,
+                }
+            }
+        };
+        let claim = self.claim(&def.uuid)?;
+        self.check_free(&def.uuid, Op::Define)?;
+        self.finish_define(def, claim)
+    }
+
+    fn finish_define(&self, def: Definition, _claim: Claim<'_>) -> Result<Reply, ControlError> {
+        let uuid = def.uuid.clone();
+        self.write_definition(def)?;
+        let defs = lock(&self.defs);
+        let def = &defs.defined[&uuid];
+        Ok(Reply::Defined(DefinedReply {
+            definition: self.definition_row(def, &defs),
+        }))
+    }
+
+    fn not_defined(uuid: &str) -> ControlError {
+        ControlError::new(ErrorKind::NotDefined, format!("{uuid} has no definition")).hint(
+            "`umdev list --defined` lists the definitions; `umdev create --type T` starts a \
+             transient instance",
+        )
+    }
+
+    fn undefine(&self, uuid: &str) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let mut defs = lock(&self.defs);
+        let path = if defs.defined.contains_key(&uuid) {
+            self.store.path_of(&uuid)
+        } else if let Some(b) = defs.broken_of(&uuid) {
+            b.path.clone()
+        } else {
+            return Err(Self::not_defined(&uuid));
+        };
+        self.store.delete(&path).map_err(|e| {
+            ControlError::new(
+                ErrorKind::Io,
+                format!("deleting the definition: {}", chain(&e)),
+            )
+        })?;
+        defs.defined.remove(&uuid);
+        defs.broken.retain(|b| b.path != path);
+        defs.start_errors.remove(&uuid);
+        drop(defs);
+        info!(uuid, path = %path.display(), "undefined");
+        Ok(Reply::Undefined(UndefinedReply {
+            running: self.registry.instance(&uuid).is_ok(),
+            uuid,
+            path,
+        }))
+    }
+
+    fn start(&self, uuid: &str) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let def = {
+            let defs = lock(&self.defs);
+            match defs.defined.get(&uuid) {
+                Some(d) => d.clone(),
+                None => {
+                    return Err(match defs.broken_of(&uuid) {
+                        Some(b) => ControlError::new(
+                            ErrorKind::BrokenDefinition,
+                            format!(
+                                "the definition file {} of {uuid} is malformed: {}",
+                                b.path.display(),
+                                b.error
+                            ),
+                        )
+                        .hint("fix the file and restart the daemon, or `umdev undefine` it"),
+                        None => Self::not_defined(&uuid),
+                    })
+                }
+            }
+        };
+        if self.registry.instance(&uuid).is_ok() {
+            return Err(ControlError::new(
+                ErrorKind::AlreadyRunning,
+                format!("{uuid} is running already"),
+            ));
+        }
+        let info = self
+            .start_definition(&def)
+            .map_err(|e| instance_error(e, Op::Start, &uuid))?;
+        let defs = lock(&self.defs);
+        Ok(Reply::Started(StartedReply {
+            instance: instance_row(info, &defs),
+            definition: None,
+        }))
+    }
+
+    fn stop_or_remove(&self, uuid: &str, force: bool, op: Op) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let running = self.registry.instance(&uuid).is_ok();
+        let def_path = {
+            let defs = lock(&self.defs);
+            if defs.defined.contains_key(&uuid) {
+                Some(self.store.path_of(&uuid))
+            } else {
+                defs.broken_of(&uuid).map(|b| b.path.clone())
+            }
+        };
+        if !running && (matches!(op, Op::Stop) || def_path.is_none()) {
+            let mut e = ControlError::new(ErrorKind::NotRunning, format!("{uuid} is not running"));
+            if matches!(op, Op::Remove) {
+                e = ControlError::new(
+                    ErrorKind::NoSuchInstance,
+                    format!("no instance or definition {uuid}"),
+                );
+            }
+            return Err(e.hint(
+                "`umdev list` lists the running instances, `umdev list --defined` the definitions",
+            ));
+        }
+        let stopped = if running {
+            let report = self
+                .registry
+                .remove(&uuid, force)
+                .map_err(|e| instance_error(e, op, &uuid))?;
+            Some(report.into())
+        } else {
+            None
+        };
+        let mut undefined = None;
+        if let (Op::Remove, Some(path)) = (op, def_path) {
+            self.store.delete(&path).map_err(|e| {
+                ControlError::new(
+                    ErrorKind::Io,
+                    format!(
+                        "the instance is stopped, but deleting its definition failed: {}",
+                        chain(&e)
+                    ),
+                )
+            })?;
+            let mut defs = lock(&self.defs);
+            defs.defined.remove(&uuid);
+            defs.broken.retain(|b| b.path != path);
+            defs.start_errors.remove(&uuid);
+            info!(uuid, path = %path.display(), "undefined");
+            undefined = Some(path);
+        }
+        Ok(Reply::Removed(RemovedReply {
+            uuid,
+            stopped,
+            undefined,
+        }))
+    }
+
+    /// Stop every running instance (the daemon is stopping); log what each released.
+    /// Returns how many instances could not be stopped.
+    pub fn stop_all(&self) -> usize {
+        let results = self.registry.stop_all();
+        let mut failed = 0;
+        let (mut pinned, mut released) = (0, 0);
+        let stopped = results.len();
+        for r in results {
+            match r {
+                Ok(report) => {
+                    pinned += report.dma.pinned_pages;
+                    released += report.dma.leaked_pins_released;
+                }
+                Err(e) => {
+                    failed += 1;
+                    warn!(error = %chain(&e), "an instance could not be stopped");
+                }
+            }
+        }
+        info!(
+            stopped = stopped - failed,
+            failed,
+            pinned_pages = pinned,
+            leaked_pins_released = released,
+            "every instance stopped"
+        );
+        failed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use umdev::instance::RegistryConfig;
+    use umdev_devices::gpu::{GpuParent, GpuParentConfig};
+
+    fn service(dir: &std::path::Path) -> Service {
+        let registry = Arc::new(Registry::new(RegistryConfig::new(dir.join("sockets"))).unwrap());
+        let gpu: Arc<dyn Parent> = Arc::new(GpuParent::new(GpuParentConfig::default()).unwrap());
+        registry.add_parent(gpu.clone()).unwrap();
+        let store = Store::open(dir.join("definitions")).unwrap();
+        Service::new(registry, vec![gpu], store, Loaded::default())
+    }
+
+    #[test]
+    fn test_service_second_request_on_claimed_uuid_busy_others_proceed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        let u = "6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11";
+        let held = s.claim(u).unwrap();
+        let e = s
+            .handle(Request::Define {
+                type_spec: Some("gpu-4m".into()),
+                uuid: Some(u.to_uppercase()),
+                params: Params::new(),
+                auto: false,
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Busy, "{e:?}");
+        assert!(e.message.contains("another operation"), "{e:?}");
+        // Another UUID is not held up.
+        s.handle(Request::Create {
+            type_spec: "gpu-4m".into(),
+            uuid: None,
+            params: Params::new(),
+            auto: false,
+        })
+        .unwrap();
+        drop(held);
+        s.handle(Request::Define {
+            type_spec: Some("gpu-4m".into()),
+            uuid: Some(u.into()),
+            params: Params::new(),
+            auto: false,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn test_service_create_auto_definition_unwritable_instance_stopped_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        // The definitions directory vanishes under the daemon: the write fails.
+        std::fs::remove_dir_all(dir.path().join("definitions")).unwrap();
+        let e = s
+            .handle(Request::Create {
+                type_spec: "gpu-4m".into(),
+                uuid: None,
+                params: Params::new(),
+                auto: true,
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Io, "{e:?}");
+        assert!(e.message.contains("writing the definition"), "{e:?}");
+        assert!(s.registry.instances().is_empty(), "the instance was kept");
+        assert!(lock(&s.defs).defined.is_empty());
+        let types = s.types();
+        assert_eq!(types.resources[0].used, 0, "its share is back");
+    }
+}

@@ -1,0 +1,696 @@
+//! `umdev daemon` and its client commands as an admin runs them: the real binary, a daemon
+//! process per test in a temp dir, the embedded VMM as the QEMU that attaches instances.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use umdev::device::irq_index;
+use umdev::testing::{wait_eventfd, DeviceAccess, Vmm};
+use umdev_devices::gpu::driver::Driver;
+use umdev_devices::gpu::regs::ID_MAGIC;
+use umdev_devices::gpu::Command as GpuCmd;
+use umdev_devices::testing::Bar0;
+
+const BIN: &str = env!("CARGO_BIN_EXE_umdev");
+const RAM_BASE: u64 = 1 << 30;
+
+/// A daemon process on a state and a socket directory in a temp dir.
+struct Daemon {
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    extra: Vec<String>,
+    starts: usize,
+}
+
+impl Daemon {
+    /// Start a daemon with `extra` flags; returns once it answers requests.
+    fn start(extra: &[&str]) -> Daemon {
+        let mut d = Daemon {
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            starts: 0,
+        };
+        d.restart();
+        d
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    fn sockets(&self) -> PathBuf {
+        self.dir.path().join("sockets")
+    }
+
+    fn control(&self) -> PathBuf {
+        self.sockets().join("control.sock")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join(format!("daemon-{}.log", self.starts))
+    }
+
+    /// What the current (or last) daemon process logged.
+    fn log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(BIN);
+        c.arg("daemon")
+            .arg("--state-dir")
+            .arg(self.state())
+            .arg("--socket-dir")
+            .arg(self.sockets())
+            .args(&self.extra)
+            .env("RUST_LOG", "info")
+            .env_remove("UMDEV_CONTROL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        c
+    }
+
+    /// Start the daemon (again, on the same directories).
+    fn restart(&mut self) {
+        assert!(self.child.is_none(), "a daemon is running");
+        self.starts += 1;
+        let log = fs::File::create(self.log_path()).unwrap();
+        let mut child = self.command().stderr(log).spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.log().contains("umdev daemon ready") {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("the daemon exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon never got ready:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child = Some(child);
+    }
+
+    /// SIGTERM the daemon and wait for it; returns its log. It must exit successfully.
+    fn stop(&mut self) -> String {
+        let mut child = self.child.take().expect("no daemon running");
+        // SAFETY: signalling our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "the daemon did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let log = self.log();
+        assert!(status.success(), "the daemon failed ({status}):\n{log}");
+        log
+    }
+
+    /// Run `umdev ARGS` against this daemon (its control socket through UMDEV_CONTROL).
+    fn umdev(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .env("UMDEV_CONTROL", self.control())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// Run `umdev ARGS`; it must succeed. Returns stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(
+            out.status.success(),
+            "umdev {args:?} failed: {}\ndaemon log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Run `umdev ARGS --json`; it must succeed. Returns the parsed output.
+    fn json(&self, args: &[&str]) -> Value {
+        let mut args = args.to_vec();
+        args.push("--json");
+        serde_json::from_str(&self.ok(&args)).unwrap()
+    }
+
+    /// Run `umdev ARGS`; it must fail with status 1. Returns stderr.
+    fn fail(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "umdev {args:?} did not fail: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8(out.stderr).unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The running instances as `umdev list --json` gives them.
+fn instances(d: &Daemon) -> Vec<Value> {
+    d.json(&["list"])["instances"].as_array().unwrap().clone()
+}
+
+fn available(d: &Daemon, parent: &str, ty: &str) -> u64 {
+    let types = d.json(&["types"]);
+    types["types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["parent"] == parent && t["type"] == ty)
+        .unwrap_or_else(|| panic!("no type {parent}/{ty} in {types}"))["available_instances"]
+        .as_u64()
+        .unwrap()
+}
+
+/// Create an instance with `umdev create ARGS --json`; returns (uuid, socket).
+fn create(d: &Daemon, args: &[&str]) -> (String, PathBuf) {
+    let mut all = vec!["create"];
+    all.extend_from_slice(args);
+    let v = d.json(&all);
+    let i = &v["instance"];
+    (
+        i["uuid"].as_str().unwrap().to_owned(),
+        PathBuf::from(i["socket"].as_str().unwrap()),
+    )
+}
+
+/// The column starts of a table line: where each cell begins after two or more blanks.
+fn column_starts(line: &str) -> Vec<usize> {
+    let b = line.as_bytes();
+    let mut starts = vec![0];
+    for i in 2..b.len() {
+        if b[i] != b' ' && b[i - 1] == b' ' && b[i - 2] == b' ' {
+            starts.push(i);
+        }
+    }
+    starts
+}
+
+#[test]
+fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
+    let d = Daemon::start(&["--gpu-pool-mib", "32", "--ccw-budget-mib", "128"]);
+    let text = d.ok(&["types"]);
+    assert!(!text.contains('\x1b'), "colour codes on a pipe: {text:?}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("PARENT") && lines[0].contains("AVAILABLE"));
+    // Four types, every line's columns where the header's are.
+    let header = column_starts(lines[0]);
+    assert_eq!(header.len(), 5, "{text}");
+    for line in &lines[1..5] {
+        assert_eq!(column_starts(line)[..4], header[..4], "{text}");
+    }
+    let gpu4 = lines.iter().find(|l| l.contains("gpu-4m")).unwrap();
+    assert_eq!(
+        gpu4[header[2]..].split_whitespace().next(),
+        Some("8"),
+        "32 MiB pool / 4 MiB: {text}"
+    );
+    assert!(text.contains("framebuffer"), "{text}");
+
+    let v = d.json(&["types"]);
+    let types = v["types"].as_array().unwrap();
+    let names: Vec<String> = types
+        .iter()
+        .map(|t| {
+            format!(
+                "{}/{}",
+                t["parent"].as_str().unwrap(),
+                t["type"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        ["gpu/gpu-4m", "gpu/gpu-16m", "ccw/ccw-16m", "ccw/ccw-64m"]
+    );
+    assert_eq!(available(&d, "gpu", "gpu-16m"), 2);
+    assert_eq!(available(&d, "ccw", "ccw-64m"), 2);
+    assert_eq!(types[0]["device_api"], "vfio-pci");
+    assert_eq!(types[1]["needs"][0]["resource"], "framebuffer");
+    assert_eq!(types[1]["needs"][0]["amount"], 16);
+    let fb = &v["resources"][0];
+    assert_eq!(
+        (fb["total"].as_u64(), fb["used"].as_u64()),
+        (Some(32), Some(0))
+    );
+}
+
+#[test]
+fn test_daemon_create_list_remove_instance_serves_and_gives_share_back() {
+    let d = Daemon::start(&[]);
+    let text = d.ok(&["create", "--type", "gpu/gpu-16m"]);
+    let uuid = text.split_whitespace().nth(1).unwrap().to_owned();
+    let socket = d.sockets().join(format!("{uuid}.sock"));
+    assert!(
+        text.contains(&format!(
+            r#"-device '{{"driver":"vfio-user-pci","socket":{{"type":"unix","path":"{}"}}}}'"#,
+            socket.display()
+        )),
+        "{text}"
+    );
+    let (ccw, ccw_socket) = create(
+        &d,
+        &[
+            "--type",
+            "ccw-16m",
+            "--uuid",
+            "00000000-0000-4000-8000-00000000000A",
+        ],
+    );
+    assert_eq!(
+        ccw, "00000000-0000-4000-8000-00000000000a",
+        "canonical form"
+    );
+    assert_eq!(available(&d, "gpu", "gpu-16m"), 3);
+
+    let mut vmm = Vmm::connect(&socket).unwrap();
+    assert_eq!(vmm.read32(0, 0).unwrap(), ID_MAGIC);
+    let listed = instances(&d);
+    assert_eq!(listed.len(), 2);
+    let gpu = listed.iter().find(|i| i["uuid"] == uuid.as_str()).unwrap();
+    assert_eq!(gpu["type"], "gpu-16m");
+    assert_eq!(gpu["client_attached"], true);
+    assert_eq!(gpu["defined"], false);
+    let table = d.ok(&["list"]);
+    let row = table.lines().find(|l| l.starts_with(&uuid)).unwrap();
+    assert!(
+        row.contains("gpu/gpu-16m") && row.contains("attached"),
+        "{table}"
+    );
+    assert_eq!(
+        column_starts(table.lines().next().unwrap()),
+        column_starts(row),
+        "{table}"
+    );
+    drop(vmm);
+
+    let out = d.ok(&["remove", &uuid]);
+    assert!(out.starts_with(&format!("removed {uuid}")), "{out}");
+    assert!(!socket.exists(), "socket removed");
+    assert_eq!(available(&d, "gpu", "gpu-16m"), 4);
+    d.ok(&["stop", &ccw]);
+    assert!(!ccw_socket.exists());
+    assert!(instances(&d).is_empty());
+    assert!(d.ok(&["list"]).contains("no instances running"));
+    // Transient instances leave no definition behind.
+    assert!(d.json(&["list", "--defined"])["definitions"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    let e = d.fail(&["stop", &ccw]);
+    assert!(e.contains("is not running"), "{e}");
+}
+
+#[test]
+fn test_daemon_create_exhausted_names_resource_unknown_type_says_so() {
+    let d = Daemon::start(&["--gpu-pool-mib", "20"]);
+    create(&d, &["--type", "gpu-16m"]);
+    let e = d.fail(&["create", "--type", "gpu-16m"]);
+    assert!(
+        e.contains("no gpu-16m instances available")
+            && e.contains("16 MiB of framebuffer, 4 MiB left"),
+        "{e}"
+    );
+    assert!(e.contains("hint: `umdev types`"), "{e}");
+    // --json: the error on stdout too, with its kind.
+    let out = d.umdev(&["create", "--type", "gpu-16m", "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["error"]["kind"], "exhausted");
+    // What is left still fits a smaller type.
+    create(&d, &["--type", "gpu-4m"]);
+    assert_eq!(available(&d, "gpu", "gpu-4m"), 0);
+
+    let e = d.fail(&["create", "--type", "gpu-3m"]);
+    assert!(e.contains("unknown type \"gpu-3m\""), "{e}");
+    let e = d.fail(&["create", "--type", "ccw-16m", "colour=red"]);
+    assert!(e.contains("\"colour\""), "{e}");
+    assert_eq!(instances(&d).len(), 2, "failed creates take nothing");
+}
+
+#[test]
+fn test_daemon_uuid_in_use_refused_for_create_and_define() {
+    let d = Daemon::start(&[]);
+    let u = "6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11";
+    create(&d, &["--type", "gpu-4m", "--uuid", u]);
+    let e = d.fail(&["create", "--type", "ccw-16m", "--uuid", u]);
+    assert!(e.contains(&format!("UUID {u} is in use")), "{e}");
+    let e = d.fail(&["define", "--type", "gpu-4m", "--uuid", &u.to_uppercase()]);
+    assert!(e.contains(&format!("UUID {u} is in use")), "{e}");
+    assert!(e.contains("without --type"), "{e}");
+
+    let v = "7f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11";
+    d.ok(&["define", "--type", "gpu-4m", "--uuid", v]);
+    let e = d.fail(&["create", "--type", "gpu-4m", "--uuid", v]);
+    assert!(
+        e.contains(&format!("UUID {v} is in use: it has a definition")),
+        "{e}"
+    );
+    assert!(e.contains(&format!("umdev start {v}")), "{e}");
+    let e = d.fail(&["define", "--type", "gpu-4m", "--uuid", v]);
+    assert!(e.contains("in use"), "{e}");
+    let e = d.fail(&["create", "--type", "gpu-4m", "--uuid", "not-a-uuid"]);
+    assert!(e.contains("is not a UUID"), "{e}");
+    assert_eq!(instances(&d).len(), 1);
+}
+
+#[test]
+fn test_daemon_restart_brings_definitions_back_autostart_serves() {
+    let mut d = Daemon::start(&[]);
+    let auto = "11111111-2222-4333-8444-555555555555";
+    let manual = "21111111-2222-4333-8444-555555555555";
+    let out = d.ok(&["define", "--type", "gpu-4m", "--uuid", auto, "--auto"]);
+    assert!(out.contains("autostart: yes"), "{out}");
+    d.ok(&["define", "--type", "ccw/ccw-16m", "--uuid", manual]);
+    // A transient instance, and one created with --auto: only the latter comes back.
+    let (transient, _) = create(&d, &["--type", "gpu-4m"]);
+    let (created_auto, _) = create(&d, &["--type", "ccw-16m", "--auto"]);
+    // A running transient instance defined as it runs (no --type): back, but not started.
+    let (adopted, _) = create(&d, &["--type", "gpu-16m"]);
+    let out = d.ok(&["define", "--uuid", &adopted]);
+    assert!(out.contains("gpu/gpu-16m, autostart: no"), "{out}");
+    assert_eq!(instances(&d).len(), 3, "define starts nothing");
+    let file = d.state().join(format!("definitions/{auto}.json"));
+    let def: Value = serde_json::from_str(&fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(
+        (
+            def["parent"].as_str(),
+            def["type"].as_str(),
+            def["autostart"].as_bool()
+        ),
+        (Some("gpu"), Some("gpu-4m"), Some(true))
+    );
+
+    let log = d.stop();
+    assert!(log.contains("every instance stopped"), "{log}");
+    let left: Vec<_> = fs::read_dir(d.sockets()).unwrap().collect();
+    assert!(left.is_empty(), "sockets left behind: {left:?}");
+
+    d.restart();
+    let mut running: Vec<String> = instances(&d)
+        .iter()
+        .map(|i| i["uuid"].as_str().unwrap().to_owned())
+        .collect();
+    running.sort();
+    let mut expected = vec![auto.to_owned(), created_auto.clone()];
+    expected.sort();
+    assert_eq!(
+        running, expected,
+        "transient {transient} must not come back"
+    );
+    let mut vmm = Vmm::connect(&d.sockets().join(format!("{auto}.sock"))).unwrap();
+    assert_eq!(vmm.read32(0, 0).unwrap(), ID_MAGIC);
+    drop(vmm);
+
+    let defs = d.json(&["list", "--defined"]);
+    let state = |u: &str| {
+        defs["definitions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["uuid"] == u)
+            .unwrap_or_else(|| panic!("{u} not defined: {defs}"))["running"]
+            .as_bool()
+            .unwrap()
+    };
+    assert!(state(auto) && state(&created_auto) && !state(manual) && !state(&adopted));
+    let table = d.ok(&["list", "--defined"]);
+    let row = table.lines().find(|l| l.starts_with(manual)).unwrap();
+    assert!(
+        row.contains("stopped") && row.contains("ccw/ccw-16m"),
+        "{table}"
+    );
+    d.ok(&["start", manual]);
+    let e = d.fail(&["start", manual]);
+    assert!(e.contains("running already"), "{e}");
+    // stop keeps the definition; undefine keeps the instance; remove drops both.
+    d.ok(&["stop", auto]);
+    assert!(file.exists());
+    d.ok(&["undefine", &created_auto]);
+    assert!(instances(&d)
+        .iter()
+        .any(|i| i["uuid"] == created_auto.as_str()));
+    d.ok(&["remove", manual]);
+    assert!(!d
+        .state()
+        .join(format!("definitions/{manual}.json"))
+        .exists());
+    d.stop();
+}
+
+#[test]
+fn test_daemon_malformed_definition_file_reported_daemon_starts() {
+    let mut d = Daemon::start(&[]);
+    let good = "31111111-2222-4333-8444-555555555555";
+    d.ok(&["define", "--type", "gpu-4m", "--uuid", good, "--auto"]);
+    d.stop();
+    let bad = "41111111-2222-4333-8444-555555555555";
+    let bad_file = d.state().join(format!("definitions/{bad}.json"));
+    fs::write(&bad_file, "{\"version\": 1, \"uuid\": ").unwrap();
+
+    d.restart();
+    let log = d.log();
+    assert!(
+        log.contains("malformed definition file") && log.contains(&bad_file.display().to_string()),
+        "{log}"
+    );
+    // The good definition autostarted regardless.
+    assert_eq!(instances(&d).len(), 1);
+    let table = d.ok(&["list", "--defined"]);
+    let row = table.lines().find(|l| l.starts_with(bad)).unwrap();
+    assert!(row.contains("broken"), "{table}");
+    assert!(
+        table.contains(&format!(
+            "broken definition {}: not JSON",
+            bad_file.display()
+        )),
+        "{table}"
+    );
+    let v = d.json(&["list", "--defined"]);
+    assert_eq!(v["broken"][0]["uuid"], bad);
+    let e = d.fail(&["start", bad]);
+    assert!(e.contains("malformed"), "{e}");
+    let e = d.fail(&["create", "--type", "gpu-4m", "--uuid", bad]);
+    assert!(e.contains("malformed"), "{e}");
+    d.ok(&["undefine", bad]);
+    assert!(!bad_file.exists());
+    assert!(d.json(&["list", "--defined"])["broken"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn test_daemon_autostart_failure_logged_and_reported_by_list_defined() {
+    let mut d = Daemon::start(&[]);
+    let u = "51111111-2222-4333-8444-555555555555";
+    d.ok(&["define", "--type", "gpu-16m", "--uuid", u, "--auto"]);
+    d.stop();
+    // The daemon comes back without that type.
+    d.extra = vec!["--gpu-type".into(), "gpu-4m:4:1".into()];
+    d.restart();
+    assert!(d.log().contains("autostart failed"), "{}", d.log());
+    assert!(instances(&d).is_empty());
+    let table = d.ok(&["list", "--defined"]);
+    let row = table.lines().find(|l| l.starts_with(u)).unwrap();
+    assert!(row.contains("start failed"), "{table}");
+    assert!(
+        table.contains(&format!(
+            "{u}: autostart failed: unknown type \"gpu/gpu-16m\""
+        )),
+        "{table}"
+    );
+    let e = d.fail(&["start", u]);
+    assert!(e.contains("unknown type"), "{e}");
+}
+
+#[test]
+fn test_cli_without_daemon_says_how_to_start_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = dir.path().join("control.sock");
+    let out = Command::new(BIN)
+        .args(["list", "--control"])
+        .arg(&control)
+        .env_remove("UMDEV_CONTROL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains(&format!(
+            "no umdev daemon is listening on {}",
+            control.display()
+        )) && e.contains("start one with `umdev daemon`"),
+        "{e}"
+    );
+}
+
+/// Make the GPU behind `vmm` pin a guest page: a blit from a surface mapped by GTT entry 0.
+fn gpu_pin_a_page(vmm: &mut Vmm) {
+    let mut ram = vmm.ram().clone();
+    let mut drv = Driver::probe(Bar0(&mut *vmm)).unwrap();
+    drv.set_mode(64, 64, 256).unwrap();
+    drv.setup_ring(RAM_BASE, 64 * 1024).unwrap();
+    drv.set_gtt(0, RAM_BASE + 0x8_0000, false).unwrap();
+    let cmds = [
+        GpuCmd::Blit {
+            gtt_index: 0,
+            stride: 64,
+            w: 16,
+            h: 4,
+            dst_x: 0,
+            dst_y: 0,
+        },
+        GpuCmd::Fence { value: 1 },
+    ];
+    drv.submit(&mut ram, &cmds).unwrap();
+    drv.wait_fence(1).unwrap();
+}
+
+#[test]
+fn test_daemon_remove_with_client_busy_then_force_leaves_zero_pins() {
+    let d = Daemon::start(&["--release-timeout", "0.3"]);
+    let (uuid, socket) = create(&d, &["--type", "gpu-4m"]);
+    let mut vmm = Vmm::connect(&socket)
+        .unwrap()
+        .with_ram(RAM_BASE, 1 << 20)
+        .unwrap();
+    vmm.enable_device().unwrap();
+    let req = vmm.attach_eventfd(irq_index::REQ).unwrap();
+    gpu_pin_a_page(&mut vmm);
+    let pinned = instances(&d)[0]["dma"]["pinned_pages"].as_u64().unwrap();
+    assert!(pinned >= 1, "the blit pinned nothing");
+
+    let e = d.fail(&["remove", &uuid]);
+    assert!(
+        e.contains(&format!("instance {uuid} is busy"))
+            && e.contains(&format!("umdev remove {uuid} --force")),
+        "{e}"
+    );
+    assert_eq!(
+        wait_eventfd(&req, Duration::from_secs(2)),
+        Some(1),
+        "the client never saw the request IRQ"
+    );
+    // Refused: still served, still attached, still defined in the listing.
+    assert_eq!(vmm.read32(0, 0).unwrap(), ID_MAGIC);
+    assert_eq!(instances(&d)[0]["client_attached"], true);
+    let e = d.fail(&["stop", &uuid]);
+    assert!(e.contains(&format!("umdev stop {uuid} --force")), "{e}");
+
+    let v = d.json(&["remove", &uuid, "--force"]);
+    let st = &v["stopped"];
+    assert_eq!(st["forced"], true, "{v}");
+    assert_eq!(st["release_requested"], true, "{v}");
+    assert_eq!(st["dma"]["pinned_pages"], 0, "{v}");
+    assert_eq!(st["dma"]["locked_pages"], 0, "{v}");
+    assert_eq!(st["dma"]["maps"], 0, "{v}");
+    assert!(vmm.read32(0, 0).is_err(), "the client was not disconnected");
+    assert!(instances(&d).is_empty());
+    assert!(d.log().contains("forced removal"), "{}", d.log());
+}
+
+#[test]
+fn test_daemon_sigterm_disconnects_clients_without_request_irq_zero_pins() {
+    let mut d = Daemon::start(&[]);
+    let (uuid, socket) = create(&d, &["--type", "gpu-4m", "--auto"]);
+    let mut vmm = Vmm::connect(&socket)
+        .unwrap()
+        .with_ram(RAM_BASE, 1 << 20)
+        .unwrap();
+    vmm.enable_device().unwrap();
+    let req = vmm.attach_eventfd(irq_index::REQ).unwrap();
+    gpu_pin_a_page(&mut vmm);
+    let log = d.stop();
+    let line = log
+        .lines()
+        .find(|l| l.contains("instance stopped") && l.contains(&uuid))
+        .unwrap_or_else(|| panic!("no stop line for {uuid}:\n{log}"));
+    assert!(
+        line.contains("client_disconnected=true") && line.contains("pinned_pages=0"),
+        "{line}"
+    );
+    assert_eq!(wait_eventfd(&req, Duration::from_millis(50)), None);
+    assert!(vmm.read32(0, 0).is_err());
+}
+
+#[test]
+fn test_daemon_control_socket_owner_only_second_daemon_refused() {
+    let d = Daemon::start(&[]);
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&d.control()), 0o600);
+    assert_eq!(mode(&d.sockets()), 0o700);
+    assert_eq!(mode(&d.state()), 0o700);
+    let out = d.command().stderr(Stdio::piped()).output().unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("in use by another umdev daemon"), "{e}");
+    // Another state directory, the same control socket: refused, the socket kept.
+    let out = Command::new(BIN)
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(d.dir.path().join("other-state"))
+        .arg("--socket-dir")
+        .arg(d.sockets())
+        .env_remove("UMDEV_CONTROL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains(&format!(
+            "another umdev daemon is running on {}",
+            d.control().display()
+        )),
+        "{e}"
+    );
+    assert_eq!(mode(&d.control()), 0o600);
+    // The first one still answers.
+    d.ok(&["list"]);
+}
+
+#[test]
+fn test_daemon_answers_other_protocol_version_with_clear_error() {
+    let d = Daemon::start(&[]);
+    let ask = |text: &str| {
+        let mut s = UnixStream::connect(d.control()).unwrap();
+        s.write_all(text.as_bytes()).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        serde_json::from_str::<Value>(answer.trim_end()).unwrap()
+    };
+    let v = ask("{\"version\":999,\"request\":{\"op\":\"frobnicate\",\"x\":[1]}}\n");
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["error"]["kind"], "version_mismatch", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("version 1") && msg.contains("999"), "{msg}");
+    let v = ask("{\"version\":1,\"request\":{\"op\":\"frobnicate\"}}\n");
+    assert_eq!(v["error"]["kind"], "bad_request", "{v}");
+    let v = ask("not json\n");
+    assert_eq!(v["error"]["kind"], "bad_request", "{v}");
+    let v = ask("{\"version\":1,\"request\":{\"op\":\"list\"}}\n");
+    assert!(v["ok"]["instances"].as_array().unwrap().is_empty(), "{v}");
+}
