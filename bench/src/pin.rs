@@ -27,7 +27,7 @@ use super::report::{
 use super::sampler::{interleaved, SamplePlan};
 use super::trace::{compact, read_trace};
 use super::OutputArgs;
-use crate::CliResult;
+use crate::BenchError;
 
 /// IOVA where the bench region is mapped (1 GiB, an ordinary guest RAM address).
 pub const REGION_IOVA: u64 = 1 << 30;
@@ -185,13 +185,15 @@ fn trace_name(path: &std::path::Path) -> String {
 }
 
 /// Build every unit of work and the trace descriptions.
-fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), Box<dyn std::error::Error>> {
+fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), BenchError> {
     let base = REGION_IOVA >> PAGE_SHIFT;
     let mut sizes = args.sizes.clone();
     sizes.sort_unstable();
     sizes.dedup();
     if let Some(&bad) = sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
-        return Err(format!("array size {bad} out of range 1..={MAX_SIZE}").into());
+        return Err(BenchError::Options(format!(
+            "array size {bad} out of range 1..={MAX_SIZE}"
+        )));
     }
     let mut work = Vec::new();
     if !args.traces_only {
@@ -234,7 +236,9 @@ fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), Box<dyn std
         }
     }
     if work.is_empty() {
-        return Err("nothing to measure (no pattern, size or trace selected)".into());
+        return Err(BenchError::Options(
+            "nothing to measure (no pattern, size or trace selected)".into(),
+        ));
     }
     Ok((work, infos))
 }
@@ -315,7 +319,7 @@ fn run_policy(
     policy: PolicyArg,
     progress: &mut Progress,
     cells: &mut Vec<PinCell>,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<(), BenchError> {
     let (region_bytes, work, plan) = (ctx.region_bytes, ctx.work, &ctx.plan);
     let space = DmaSpace::new(DmaConfig {
         policy: policy.policy(),
@@ -371,7 +375,7 @@ fn run_policy(
 }
 
 /// Entry point of `umdev bench pin`.
-pub fn run(args: PinArgs) -> CliResult {
+pub fn run(args: PinArgs) -> Result<(), BenchError> {
     let started = Instant::now();
     let plan = plan_of(&args);
     let (work, traces) = build_work(&args)?;

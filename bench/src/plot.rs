@@ -294,8 +294,8 @@ mod tests {
 #[cfg(test)]
 mod report_tests {
     use super::*;
-    use crate::bench::report::{PinConfig, PinReport, PIN_SCHEMA};
-    use crate::bench::sampler::{SamplePlan, VariantSamples};
+    use crate::report::{PinConfig, PinReport, PIN_SCHEMA};
+    use crate::sampler::{SamplePlan, VariantSamples};
 
     fn cell(pattern: &str, size: usize, a: f64, b: f64) -> PinCell {
         let v = |ns: f64| {
@@ -351,7 +351,7 @@ mod report_tests {
                 region_bytes: 0,
                 trace_bucket_cap: 1,
             },
-            machine: crate::bench::machine::collect(),
+            machine: crate::machine::collect(),
             backings: vec![],
             cells: vec![
                 cell("contiguous", 1, 100.0, 100.0),

@@ -2,7 +2,7 @@
 //! umdev's server and against `vfio_user::Server` serving the same trivial register device
 //! (`umdev::testing::TrivialDevice`), side by side in one run.
 //!
-//! Run briefly: `cargo bench --bench wire -- --measurement-time 3 --warm-up-time 1`.
+//! Run briefly: `cargo bench -p umdev-bench --bench wire -- --measurement-time 3 --warm-up-time 1`.
 
 use std::cell::RefCell;
 use std::fs::File;

@@ -9,7 +9,7 @@
 //! prints median per-round ratios as a markdown table: on a loaded machine this is far more
 //! robust than comparing two criterion results measured seconds apart.
 //!
-//! Run: `cargo bench -p umdev --bench pin` (full) or with `UMDEV_BENCH_QUICK=1` for short
+//! Run: `cargo bench -p umdev-bench --bench pin` (full) or with `UMDEV_BENCH_QUICK=1` for short
 //! measurement times; a filter narrows the criterion part, e.g. `-- 'pin/Lock/contiguous'`;
 //! `UMDEV_BENCH_CRITERION=0` runs only the paired table, `UMDEV_BENCH_PAIRED=0` skips it,
 //! `UMDEV_BENCH_ONLY=Lock/contiguous` restricts its pin rows.

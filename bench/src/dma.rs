@@ -29,7 +29,7 @@ use super::progress::{Progress, ProgressMode};
 use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
 use super::sampler::{interleaved, SamplePlan};
 use super::OutputArgs;
-use crate::CliResult;
+use crate::BenchError;
 use umdev::server::{Server, ServerConfig};
 use umdev::testing::{FdlessMemory, TrivialDevice, Vmm};
 
@@ -75,6 +75,12 @@ fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
     }
 }
 
+/// `v` as a `usize` (sizes are checked against [`MAX_SIZE`] first, so this fails only on a
+/// 32-bit host).
+fn to_usize(v: u64) -> Result<usize, BenchError> {
+    usize::try_from(v).map_err(|_| BenchError::Options(format!("size {v} does not fit usize")))
+}
+
 /// Copy `len` bytes from `src` to `dst` (raw, for memory shared with another mapping).
 fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
     // SAFETY: callers pass pointers to `len` valid bytes of distinct allocations/mappings
@@ -83,16 +89,18 @@ fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
 }
 
 /// Entry point of `umdev bench dma`.
-pub fn run(args: DmaArgs) -> CliResult {
+pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     let started = Instant::now();
     let plan = plan_of(args.quick, args.samples);
     if let Some(&bad) = args.sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
-        return Err(format!("size {bad} out of range 1..={MAX_SIZE}").into());
+        return Err(BenchError::Options(format!(
+            "size {bad} out of range 1..={MAX_SIZE}"
+        )));
     }
     let max = args.sizes.iter().copied().max().unwrap_or(8);
     let region = max.next_multiple_of(2 << 20);
     let fd = memfd("umdev-bench-dma", 0, region)?;
-    let region_len = usize::try_from(region)?;
+    let region_len = to_usize(region)?;
     let local = LocalMapping::new(&fd, region_len)?;
     local.touch(4096);
     let space = DmaSpace::new(DmaConfig::default());
@@ -113,10 +121,11 @@ pub fn run(args: DmaArgs) -> CliResult {
 
     // The fd-less region: a umdev server on the same space, a client that maps a region
     // without an fd and answers the server's DMA_READ/DMA_WRITE from its own memory.
-    let sock_dir = std::env::temp_dir().join(format!("umdev-bench-dma-{}", std::process::id()));
-    std::fs::create_dir_all(&sock_dir)?;
+    let sock_dir = tempfile::Builder::new()
+        .prefix("umdev-bench-dma-")
+        .tempdir()?;
     let running = Server::new(
-        ServerConfig::new(sock_dir.join("dma.sock")),
+        ServerConfig::new(sock_dir.path().join("dma.sock")),
         Box::new(TrivialDevice::default()),
         space.clone(),
     )
@@ -134,7 +143,7 @@ pub fn run(args: DmaArgs) -> CliResult {
     }
     let mut rows = Vec::new();
     for &size in &args.sizes {
-        let len = usize::try_from(size)?;
+        let len = to_usize(size)?;
         let mut buf = vec![0u8; len];
         let mut buf2 = vec![0u8; len];
         let src = vec![0xa5u8; len];
@@ -233,7 +242,7 @@ pub fn run(args: DmaArgs) -> CliResult {
     space.unmap(REGION_IOVA, region, &mut |_, _| {})?;
     let served = dma_server.stop()?;
     running.shutdown()?;
-    let _ = std::fs::remove_dir_all(&sock_dir);
+    drop(sock_dir);
     drop(local);
     tracing::debug!(served, "fd-less DMA requests served");
 
