@@ -81,13 +81,6 @@ fn to_usize(v: u64) -> Result<usize, BenchError> {
     usize::try_from(v).map_err(|_| BenchError::Options(format!("size {v} does not fit usize")))
 }
 
-/// Copy `len` bytes from `src` to `dst` (raw, for memory shared with another mapping).
-fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: callers pass pointers to `len` valid bytes of distinct allocations/mappings
-    // (a local Vec and a local mapping of the bench memfd), so the ranges do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-}
-
 /// Entry point of `umdev bench dma`.
 pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     let started = Instant::now();
@@ -153,7 +146,7 @@ pub fn run(args: DmaArgs) -> Result<(), BenchError> {
             &plan,
             &mut || handle.read(REGION_IOVA, &mut buf),
             &mut || -> Result<(), DmaError> {
-                raw_copy(local.as_ptr(), buf2.as_mut_ptr(), len);
+                local.copy_to(&mut buf2);
                 Ok(())
             },
             &mut || 0,
@@ -171,7 +164,7 @@ pub fn run(args: DmaArgs) -> Result<(), BenchError> {
             &plan,
             &mut || handle.write(REGION_IOVA, &src),
             &mut || -> Result<(), DmaError> {
-                raw_copy(src.as_ptr(), local.as_ptr(), len);
+                local.copy_from(&src);
                 Ok(())
             },
             &mut || 0,

@@ -69,6 +69,29 @@ impl LocalMapping {
         self.ptr.as_ptr()
     }
 
+    /// Copy the first `buf.len()` bytes of the mapping into `buf`: a plain memcpy, the
+    /// physical limit the benches hold dma_rw against.
+    ///
+    /// # Panics
+    /// If `buf` is longer than the mapping.
+    pub fn copy_to(&self, buf: &mut [u8]) {
+        assert!(buf.len() <= self.len, "copy beyond the local mapping");
+        // SAFETY: `buf.len()` bytes are inside our live mapping (checked above) and inside
+        // `buf`; a mapping and a Rust buffer never overlap. Raw copies, never a slice of the
+        // shared memory.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), buf.as_mut_ptr(), buf.len()) };
+    }
+
+    /// Copy `data` to the start of the mapping: a plain memcpy (see [`Self::copy_to`]).
+    ///
+    /// # Panics
+    /// If `data` is longer than the mapping.
+    pub fn copy_from(&self, data: &[u8]) {
+        assert!(data.len() <= self.len, "copy beyond the local mapping");
+        // SAFETY: as in `copy_to`, in the other direction.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr(), data.len()) };
+    }
+
     /// `madvise(advice)` over the whole mapping.
     pub fn advise(&self, advice: libc::c_int) -> io::Result<()> {
         // SAFETY: the range is exactly our live mapping; advice does not unmap it.
@@ -111,6 +134,25 @@ mod tests {
         // SAFETY: in bounds of the mapping.
         let v = unsafe { b.as_ptr().add(4096).read_volatile() };
         assert_eq!(v, 1);
+    }
+
+    #[test]
+    fn test_copy_from_and_copy_to_see_the_same_memory() {
+        let fd = memfd("t", 0, 8192).unwrap();
+        let a = LocalMapping::new(&fd, 8192).unwrap();
+        let b = LocalMapping::new(&fd, 8192).unwrap();
+        a.copy_from(&[7, 8, 9]);
+        let mut got = [0u8; 4];
+        b.copy_to(&mut got);
+        assert_eq!(got, [7, 8, 9, 0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond the local mapping")]
+    fn test_copy_to_longer_than_mapping_panics() {
+        let fd = memfd("t", 0, 4096).unwrap();
+        let a = LocalMapping::new(&fd, 4096).unwrap();
+        a.copy_to(&mut [0u8; 4097]);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umdev::dma::{
@@ -140,19 +141,38 @@ pub fn plan_of(args: &PinArgs) -> SamplePlan {
     }
 }
 
-/// One unit of work: the arrays one iteration pins and unpins.
-struct Work {
-    pattern: String,
-    size: usize,
-    arrays: Vec<(Vec<u64>, Prot)>,
+/// One unit of work: the arrays one iteration pins and unpins (for a synthetic pattern one
+/// array, for a trace bucket every recorded array of the bucket, in order).
+pub struct Work {
+    /// Pattern name (`trace:NAME` for a replayed trace).
+    pub pattern: String,
+    /// Array size, or the size bucket of a trace.
+    pub size: usize,
+    /// The arrays with the permission each is pinned with.
+    pub arrays: Vec<(Vec<u64>, Prot)>,
 }
 
 impl Work {
-    fn pages(&self) -> usize {
+    /// The array of `size` pages of `pattern` for `seed`, in the bench region at
+    /// [`REGION_IOVA`], pinned read/write.
+    pub fn synthetic(pattern: Pattern, size: usize, seed: u64) -> Work {
+        Work {
+            pattern: pattern.name().to_string(),
+            size,
+            arrays: vec![(
+                generate(pattern, size, REGION_IOVA >> PAGE_SHIFT, seed),
+                Prot::RW,
+            )],
+        }
+    }
+
+    /// Pages in all arrays.
+    pub fn pages(&self) -> usize {
         self.arrays.iter().map(|(a, _)| a.len()).sum()
     }
 
-    fn runs_per_array(&self) -> f64 {
+    /// Mean maximal runs of consecutive pages per array.
+    pub fn runs_per_array(&self) -> f64 {
         let total: usize = self.arrays.iter().map(|(a, _)| runs(a)).sum();
         total as f64 / self.arrays.len().max(1) as f64
     }
@@ -164,6 +184,28 @@ impl Work {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// A DMA space under `policy` with `fd` mapped read/write at [`REGION_IOVA`] for
+/// `region_bytes`, its lock limit the region's size (so `Lock` never hits it).
+pub fn map_region(
+    fd: OwnedFd,
+    policy: PinPolicy,
+    region_bytes: u64,
+) -> Result<Arc<DmaSpace>, DmaError> {
+    let space = DmaSpace::new(DmaConfig {
+        policy,
+        lock_limit_bytes: Some(region_bytes),
+        ..DmaConfig::default()
+    });
+    space.map(DmaMapping {
+        iova: REGION_IOVA,
+        size: region_bytes,
+        prot: Prot::RW,
+        fd: Some(fd),
+        offset: 0,
+    })?;
+    Ok(space)
 }
 
 /// The smallest configured size ≥ `len`, or the largest.
@@ -199,11 +241,7 @@ fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), BenchError>
     if !args.traces_only {
         for &p in &args.patterns {
             for &s in &args.sizes {
-                work.push(Work {
-                    pattern: p.name().to_string(),
-                    size: s,
-                    arrays: vec![(generate(p, s, base, args.seed), Prot::RW)],
-                });
+                work.push(Work::synthetic(p, s, args.seed));
             }
         }
     }
@@ -261,7 +299,11 @@ fn cross_check(h: &DmaHandle, w: &Work) -> Result<(), String> {
     Ok(())
 }
 
-fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinCellResult {
+/// Measure `w` on `h`: the coalesced path (`pin_pages`/`unpin_pages`) against the per-page
+/// path (`naive()`), or against itself with `self_check`, sampled interleaved under `plan`.
+/// Both paths must return the same host addresses first, and nothing may stay pinned after.
+/// The counter of every sample is the space's residency syscalls.
+pub fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinCellResult {
     cross_check(h, w)?;
     let mut bufs_a: Vec<Vec<u64>> = w.arrays.iter().map(|(a, _)| vec![0; a.len()]).collect();
     let mut bufs_b = bufs_a.clone();
@@ -301,7 +343,8 @@ fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinC
     ))
 }
 
-type PinCellResult = Result<(VariantResult, VariantResult), String>;
+/// The coalesced and the per-page result of a cell, or why it has none.
+pub type PinCellResult = Result<(VariantResult, VariantResult), String>;
 
 /// What every policy run shares.
 struct RunCtx<'a> {
@@ -321,18 +364,7 @@ fn run_policy(
     cells: &mut Vec<PinCell>,
 ) -> Result<(), BenchError> {
     let (region_bytes, work, plan) = (ctx.region_bytes, ctx.work, &ctx.plan);
-    let space = DmaSpace::new(DmaConfig {
-        policy: policy.policy(),
-        lock_limit_bytes: Some(region_bytes),
-        ..DmaConfig::default()
-    });
-    space.map(DmaMapping {
-        iova: REGION_IOVA,
-        size: region_bytes,
-        prot: Prot::RW,
-        fd: Some(fd),
-        offset: 0,
-    })?;
+    let space = map_region(fd, policy.policy(), region_bytes)?;
     let handle = space.handle();
     for w in work {
         progress.start_step(&format!(
