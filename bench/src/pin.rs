@@ -20,6 +20,7 @@ use umdev::dma::{
 use super::backing::{prepare, Backing, Prepared, HUGE_PAGE};
 use super::machine;
 use super::patterns::{generate, runs, Pattern};
+use super::plot::pin_svg;
 use super::progress::{Progress, ProgressMode};
 use super::report::{
     paired_ratio, pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
@@ -387,8 +388,8 @@ fn run_policy(
             _ => (None, None),
         };
         cells.push(PinCell {
-            backing: backing.name(),
-            policy: policy.name(),
+            backing: backing.name().into(),
+            policy: policy.name().into(),
             pattern: w.pattern.clone(),
             size: w.size,
             arrays: w.arrays.len(),
@@ -503,7 +504,7 @@ pub fn run(args: PinArgs) -> Result<(), BenchError> {
         println!("JSON: {}", path.display());
     }
     if let Some(path) = &args.plot {
-        std::fs::write(path, super::plot::pin_svg(&report))?;
+        std::fs::write(path, pin_svg(&report.machine, &report.cells)?)?;
         println!("plot: {}", path.display());
     }
     println!("{:.1} s", report.elapsed_s);

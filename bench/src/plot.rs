@@ -1,34 +1,48 @@
-//! The `--plot` SVG of `umdev bench pin`, written by hand (no plotting crate): one panel per
-//! pattern (columns) and backing × policy (rows), ns/page against array size on log–log
-//! axes, coalesced (solid) and per-page (dashed) medians with p10–p90 bars.
+//! The `--plot` SVG of `umdev bench pin`, drawn with [`plotters`]: one panel per pattern
+//! (columns) and backing × policy (rows), ns/page against array size on log–log axes,
+//! coalesced (solid) and per-page (dashed) medians with p10–p90 bars.
+//!
+//! Every panel shares the same axes (array sizes of the run on x, whole decades of ns/page
+//! on y), so panels compare at a glance. A replayed trace sits at the mean length of the
+//! arrays in its bucket. [`pin_svg_from_json`] draws the plot again from a `--json` file.
 
-use std::fmt::Write;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::report::{PinCell, PinReport, VariantResult};
+use super::machine::MachineInfo;
+use super::report::{PinCell, VariantResult};
+use crate::BenchError;
 
-const PANEL_W: f64 = 190.0;
-const PANEL_H: f64 = 150.0;
-const GAP_X: f64 = 46.0;
-const GAP_Y: f64 = 40.0;
-const LEFT: f64 = 120.0;
-const TOP: f64 = 92.0;
-const COALESCED: &str = "#1f77b4";
-const PER_PAGE: &str = "#d62728";
+const PANEL_W: i32 = 190;
+const PANEL_H: i32 = 150;
+const GAP_X: i32 = 46;
+const GAP_Y: i32 = 40;
+const LEFT: i32 = 120;
+const TOP: i32 = 92;
+/// Room left of a panel for its y labels, and below it for its x labels.
+const Y_LABELS_W: i32 = 40;
+const X_LABELS_H: i32 = 14;
+const COALESCED: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
+const PER_PAGE: RGBColor = RGBColor(0xd6, 0x27, 0x28);
+const FRAME: RGBColor = RGBColor(0x99, 0x99, 0x99);
+const GRID: RGBColor = RGBColor(0xee, 0xee, 0xee);
+const NOTE: RGBColor = RGBColor(0x55, 0x55, 0x55);
 
-/// Escape text for SVG.
-pub fn xml_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            c => out.push(c),
-        }
-    }
-    out
+const BLACK_TEXT: RGBColor = RGBColor(0, 0, 0);
+const LEGEND_NOTE: RGBColor = RGBColor(0x77, 0x77, 0x77);
+
+/// A sans-serif font that comes out as `px` pixels in the SVG (plotters writes the size
+/// divided by 1.24).
+fn font(px: f64) -> FontDesc<'static> {
+    ("sans-serif", px * 1.24).into_font()
+}
+
+/// Text of `px` pixels, bold or not, in `colour`, placed at its `anchor`.
+fn text_style(px: f64, bold: bool, colour: &'static RGBColor, anchor: Pos) -> TextStyle<'static> {
+    let f = font(px);
+    let f = if bold { f.style(FontStyle::Bold) } else { f };
+    TextStyle::from(f).color(colour).pos(anchor)
 }
 
 fn unique<T: PartialEq + Clone>(items: impl Iterator<Item = T>) -> Vec<T> {
@@ -41,44 +55,6 @@ fn unique<T: PartialEq + Clone>(items: impl Iterator<Item = T>) -> Vec<T> {
     out
 }
 
-/// Log-scale mapping of `[lo, hi]` onto `[a, b]`.
-struct LogAxis {
-    lo: f64,
-    hi: f64,
-    a: f64,
-    b: f64,
-}
-
-impl LogAxis {
-    fn map(&self, v: f64) -> f64 {
-        let (l, h) = (self.lo.log10(), self.hi.log10());
-        if h <= l {
-            return (self.a + self.b) / 2.0;
-        }
-        self.a + (v.max(self.lo).log10() - l) / (h - l) * (self.b - self.a)
-    }
-}
-
-fn variant_points(
-    cells: &[&PinCell],
-    pick: fn(&PinCell) -> Option<&VariantResult>,
-) -> Vec<(f64, f64, f64, f64)> {
-    cells
-        .iter()
-        .filter_map(|c| {
-            pick(c).map(|v| {
-                (
-                    x_of(c),
-                    v.ns_per_page.median,
-                    v.ns_per_page.p10,
-                    v.ns_per_page.p90,
-                )
-            })
-        })
-        .filter(|p| p.1.is_finite() && p.1 > 0.0)
-        .collect()
-}
-
 /// Where a cell sits on the x axis: its array size, or for a replayed trace the mean length
 /// of the arrays in its bucket.
 fn x_of(c: &PinCell) -> f64 {
@@ -89,11 +65,58 @@ fn x_of(c: &PinCell) -> f64 {
     }
 }
 
-/// The SVG document for `report`.
-pub fn pin_svg(report: &PinReport) -> String {
-    let cells = &report.cells;
+/// (x, median, p10, p90) of one variant of `cells`, by x, clamped into the axes.
+fn variant_points(
+    cells: &[&PinCell],
+    pick: fn(&PinCell) -> Option<&VariantResult>,
+    (x_lo, x_hi): (f64, f64),
+    (y_lo, y_hi): (f64, f64),
+) -> Vec<(f64, f64, f64, f64)> {
+    let y = |v: f64| v.clamp(y_lo, y_hi);
+    let mut pts: Vec<_> = cells
+        .iter()
+        .filter_map(|c| {
+            let v = &pick(c)?.ns_per_page;
+            (v.median.is_finite() && v.median > 0.0).then(|| {
+                let (p10, p90) = (finite_or(v.p10, v.median), finite_or(v.p90, v.median));
+                (x_of(c).clamp(x_lo, x_hi), y(v.median), y(p10), y(p90))
+            })
+        })
+        .collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    pts
+}
+
+fn finite_or(v: f64, or: f64) -> f64 {
+    if v.is_finite() && v > 0.0 {
+        v
+    } else {
+        or
+    }
+}
+
+/// The whole decades from the one below `lo` to the one above `hi`.
+fn decades(lo: f64, hi: f64) -> Vec<f64> {
+    let (a, b) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+    (a..=b.max(a + 1)).map(|e| 10f64.powi(e)).collect()
+}
+
+fn fmt_decade(v: &f64) -> String {
+    if *v >= 1.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v}")
+    }
+}
+
+fn draw_error(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Io(std::io::Error::other(format!("drawing the plot: {e}")))
+}
+
+/// The SVG document for the cells of a `umdev bench pin` run on `machine`.
+pub fn pin_svg(machine: &MachineInfo, cells: &[PinCell]) -> Result<String, BenchError> {
     let patterns = unique(cells.iter().map(|c| c.pattern.clone()));
-    let rows = unique(cells.iter().map(|c| (c.backing, c.policy)));
+    let rows = unique(cells.iter().map(|c| (c.backing.clone(), c.policy.clone())));
     let sizes: Vec<f64> = cells.iter().map(|c| c.size as f64).collect();
     let values: Vec<f64> = cells
         .iter()
@@ -104,195 +127,205 @@ pub fn pin_svg(report: &PinReport) -> String {
         .collect();
     let x_lo = sizes.iter().copied().fold(f64::INFINITY, f64::min).max(1.0);
     let x_hi = sizes.iter().copied().fold(0.0, f64::max).max(x_lo * 2.0);
-    let y_lo = 10f64.powf(
-        values
-            .iter()
-            .copied()
-            .fold(f64::INFINITY, f64::min)
-            .log10()
-            .floor(),
-    );
-    let y_hi = 10f64.powf(values.iter().copied().fold(0.0, f64::max).log10().ceil());
-    let (y_lo, y_hi) = if y_lo.is_finite() && y_hi > y_lo {
-        (y_lo, y_hi)
+    let y_min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let y_max = values.iter().copied().fold(0.0, f64::max);
+    let y_decades = if y_min.is_finite() && y_max > 0.0 {
+        decades(y_min, y_max)
     } else {
-        (1.0, 10.0)
+        vec![1.0, 10.0]
     };
-    let width = (LEFT + patterns.len().max(1) as f64 * (PANEL_W + GAP_X) + 20.0).max(800.0);
-    let height = TOP + rows.len().max(1) as f64 * (PANEL_H + GAP_Y) + 20.0;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<text x="{LEFT}" y="20" font-size="14" font-weight="bold">umdev bench pin: ns per page (pin + unpin) vs array size, log–log</text>"#
-    );
-    let _ = writeln!(
-        s,
-        r##"<text x="{LEFT}" y="38" fill="#555">{}</text>"##,
-        xml_escape(&report.machine.summary())
-    );
-    let _ = writeln!(
-        s,
-        r##"<line x1="{x1}" y1="58" x2="{x2}" y2="58" stroke="{COALESCED}" stroke-width="2"/><text x="{t1}" y="62">coalesced (pin_pages)</text><line x1="{x3}" y1="58" x2="{x4}" y2="58" stroke="{PER_PAGE}" stroke-width="2" stroke-dasharray="5,3"/><text x="{t2}" y="62">per-page (naive)</text><text x="{t3}" y="62" fill="#777">bars: p10–p90</text>"##,
-        x1 = LEFT,
-        x2 = LEFT + 24.0,
-        t1 = LEFT + 30.0,
-        x3 = LEFT + 170.0,
-        x4 = LEFT + 194.0,
-        t2 = LEFT + 200.0,
-        t3 = LEFT + 320.0,
-    );
-    for (ri, (backing, policy)) in rows.iter().enumerate() {
-        let y0 = TOP + ri as f64 * (PANEL_H + GAP_Y);
-        let _ = writeln!(
-            s,
-            r#"<text x="8" y="{:.1}" font-weight="bold">{} / {}</text>"#,
-            y0 + PANEL_H / 2.0,
-            xml_escape(backing),
-            xml_escape(policy)
-        );
-        for (ci, pattern) in patterns.iter().enumerate() {
-            let x0 = LEFT + ci as f64 * (PANEL_W + GAP_X);
-            let xa = LogAxis {
-                lo: x_lo,
-                hi: x_hi,
-                a: x0,
-                b: x0 + PANEL_W,
-            };
-            let ya = LogAxis {
-                lo: y_lo,
-                hi: y_hi,
-                a: y0 + PANEL_H,
-                b: y0,
-            };
-            let _ = writeln!(
-                s,
-                r##"<rect x="{x0:.1}" y="{y0:.1}" width="{PANEL_W}" height="{PANEL_H}" fill="none" stroke="#999"/>"##,
-            );
-            if ri == 0 {
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-weight="bold">{}</text>"#,
-                    x0 + PANEL_W / 2.0,
-                    y0 - 6.0,
-                    xml_escape(pattern)
-                );
-            }
-            // Decade grid and labels on the y axis.
-            let mut d = y_lo;
-            while d <= y_hi * 1.0001 {
-                let y = ya.map(d);
-                let _ = writeln!(
-                    s,
-                    r##"<line x1="{x0:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#eee"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="9">{}</text>"##,
-                    x0 + PANEL_W,
-                    x0 - 2.0,
-                    y + 3.0,
-                    fmt_decade(d)
-                );
-                d *= 10.0;
-            }
-            let here: Vec<&PinCell> = cells
-                .iter()
-                .filter(|c| &c.pattern == pattern && c.backing == *backing && c.policy == *policy)
-                .collect();
-            let mut xs: Vec<f64> = unique(here.iter().map(|c| x_of(c).round() as u64))
-                .into_iter()
-                .map(|v| v as f64)
-                .collect();
-            xs.sort_by(f64::total_cmp);
-            for size in xs {
-                let x = xa.map(size);
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="9">{size:.0}</text>"#,
-                    y0 + PANEL_H + 11.0
-                );
-            }
-            for (pick, colour, dash) in [
-                (
-                    (|c: &PinCell| c.coalesced.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
-                    COALESCED,
-                    "",
-                ),
-                (
-                    (|c: &PinCell| c.per_page.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
-                    PER_PAGE,
-                    r#" stroke-dasharray="5,3""#,
-                ),
-            ] {
-                let mut pts = variant_points(&here, pick);
-                pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-                if pts.is_empty() {
-                    continue;
+
+    let width = (LEFT + patterns.len().max(1) as i32 * (PANEL_W + GAP_X) + 20).max(800);
+    let height = TOP + rows.len().max(1) as i32 * (PANEL_H + GAP_Y) + 20;
+    let mut svg = String::new();
+    {
+        let root =
+            SVGBackend::with_string(&mut svg, (width as u32, height as u32)).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_error)?;
+        let text = |s: &str, at: (i32, i32), style: TextStyle<'static>| {
+            root.draw(&Text::new(s.to_string(), at, style))
+        };
+        let left_mid = Pos::new(HPos::Left, VPos::Center);
+        text(
+            "umdev bench pin: ns per page (pin + unpin) vs array size, log–log",
+            (LEFT, 15),
+            text_style(14.0, true, &BLACK_TEXT, left_mid),
+        )
+        .map_err(draw_error)?;
+        text(
+            &machine.summary(),
+            (LEFT, 34),
+            text_style(11.0, false, &NOTE, left_mid),
+        )
+        .map_err(draw_error)?;
+        // The legend.
+        root.draw(&PathElement::new(
+            vec![(LEFT, 58), (LEFT + 24, 58)],
+            COALESCED.stroke_width(2),
+        ))
+        .map_err(draw_error)?;
+        text(
+            "coalesced (pin_pages)",
+            (LEFT + 30, 58),
+            text_style(11.0, false, &BLACK_TEXT, left_mid),
+        )
+        .map_err(draw_error)?;
+        root.draw(&DashedPathElement::new(
+            vec![(LEFT + 170, 58), (LEFT + 194, 58)],
+            5,
+            3,
+            PER_PAGE.stroke_width(2),
+        ))
+        .map_err(draw_error)?;
+        text(
+            "per-page (naive)",
+            (LEFT + 200, 58),
+            text_style(11.0, false, &BLACK_TEXT, left_mid),
+        )
+        .map_err(draw_error)?;
+        text(
+            "bars: p10–p90",
+            (LEFT + 320, 58),
+            text_style(11.0, false, &LEGEND_NOTE, left_mid),
+        )
+        .map_err(draw_error)?;
+
+        for (ri, (backing, policy)) in rows.iter().enumerate() {
+            let y0 = TOP + ri as i32 * (PANEL_H + GAP_Y);
+            text(
+                &format!("{backing} / {policy}"),
+                (8, y0 + PANEL_H / 2),
+                text_style(11.0, true, &BLACK_TEXT, left_mid),
+            )
+            .map_err(draw_error)?;
+            for (ci, pattern) in patterns.iter().enumerate() {
+                let x0 = LEFT + ci as i32 * (PANEL_W + GAP_X);
+                if ri == 0 {
+                    text(
+                        pattern,
+                        (x0 + PANEL_W / 2, y0 - 6),
+                        text_style(
+                            11.0,
+                            true,
+                            &BLACK_TEXT,
+                            Pos::new(HPos::Center, VPos::Bottom),
+                        ),
+                    )
+                    .map_err(draw_error)?;
                 }
-                let path: Vec<String> = pts
+                let here: Vec<&PinCell> = cells
                     .iter()
-                    .map(|p| format!("{:.1},{:.1}", xa.map(p.0), ya.map(p.1)))
+                    .filter(|c| {
+                        &c.pattern == pattern && &c.backing == backing && &c.policy == policy
+                    })
                     .collect();
-                let _ = writeln!(
-                    s,
-                    r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.6"{dash}/>"#,
-                    path.join(" ")
-                );
-                for p in &pts {
-                    let (x, y) = (xa.map(p.0), ya.map(p.1));
-                    let _ = writeln!(
-                        s,
-                        r#"<circle cx="{x:.1}" cy="{y:.1}" r="2.2" fill="{colour}"/><line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="{colour}" stroke-width="1"/>"#,
-                        ya.map(p.2),
-                        ya.map(p.3)
-                    );
-                }
+                panel(&root, (x0, y0), &here, (x_lo, x_hi), &y_decades)?;
             }
         }
+        text(
+            "x: array size (pages), y: ns per page",
+            (LEFT, height - 10),
+            text_style(11.0, false, &NOTE, left_mid),
+        )
+        .map_err(draw_error)?;
+        root.present().map_err(draw_error)?;
     }
-    let _ = writeln!(
-        s,
-        r##"<text x="{LEFT}" y="{:.0}" fill="#555">x: array size (pages), y: ns per page</text>"##,
-        height - 6.0,
-    );
-    s.push_str("</svg>\n");
-    s
+    svg.push('\n');
+    Ok(svg)
 }
 
-fn fmt_decade(v: f64) -> String {
-    if v >= 1.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v}")
+/// One panel with its plotting area at `(x0, y0)`: frame, decade grid, the array sizes of
+/// its cells on x, both variants.
+fn panel(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    (x0, y0): (i32, i32),
+    cells: &[&PinCell],
+    (x_lo, x_hi): (f64, f64),
+    y_decades: &[f64],
+) -> Result<(), BenchError> {
+    let (y_lo, y_hi) = (y_decades[0], y_decades[y_decades.len() - 1]);
+    let mut xs: Vec<f64> = unique(cells.iter().map(|c| x_of(c).round() as u64))
+        .into_iter()
+        .map(|v| (v as f64).clamp(x_lo, x_hi))
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    let area = root.clone().shrink(
+        (x0 - Y_LABELS_W, y0),
+        (PANEL_W + Y_LABELS_W, PANEL_H + X_LABELS_H),
+    );
+    let x_axis = (x_lo..x_hi).log_scale().with_key_points(xs);
+    let y_axis = (y_lo..y_hi).log_scale().with_key_points(y_decades.to_vec());
+    let mut chart = ChartBuilder::on(&area)
+        .x_label_area_size(X_LABELS_H)
+        .y_label_area_size(Y_LABELS_W)
+        .build_cartesian_2d(x_axis, y_axis)
+        .map_err(draw_error)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .bold_line_style(GRID)
+        // The frame is drawn below, all four sides alike; no axis lines or ticks of its own.
+        .axis_style(TRANSPARENT)
+        .set_all_tick_mark_size(2)
+        .label_style(font(9.0))
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&fmt_decade)
+        .draw()
+        .map_err(draw_error)?;
+    root.draw(&Rectangle::new(
+        [(x0, y0), (x0 + PANEL_W, y0 + PANEL_H)],
+        FRAME.stroke_width(1),
+    ))
+    .map_err(draw_error)?;
+    for (pick, colour, dashed) in [
+        (
+            (|c: &PinCell| c.coalesced.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
+            COALESCED,
+            false,
+        ),
+        (
+            (|c: &PinCell| c.per_page.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
+            PER_PAGE,
+            true,
+        ),
+    ] {
+        let pts = variant_points(cells, pick, (x_lo, x_hi), (y_lo, y_hi));
+        let line = pts.iter().map(|p| (p.0, p.1));
+        if dashed {
+            chart
+                .draw_series(DashedLineSeries::new(line, 5, 3, colour.stroke_width(2)))
+                .map_err(draw_error)?;
+        } else {
+            chart
+                .draw_series(LineSeries::new(line, colour.stroke_width(2)))
+                .map_err(draw_error)?;
+        }
+        chart
+            .draw_series(
+                pts.iter()
+                    .map(|p| ErrorBar::new_vertical(p.0, p.2, p.1, p.3, colour.filled(), 4)),
+            )
+            .map_err(draw_error)?;
     }
+    Ok(())
+}
+
+/// What [`pin_svg_from_json`] reads of a `umdev bench pin --json` file.
+#[derive(serde::Deserialize)]
+struct PlotInput {
+    machine: MachineInfo,
+    cells: Vec<PinCell>,
+}
+
+/// The SVG of a `umdev bench pin --json` file's run: the same plot `--plot` drew.
+pub fn pin_svg_from_json(json: &str) -> Result<String, BenchError> {
+    let input: PlotInput = serde_json::from_str(json)
+        .map_err(|e| BenchError::Options(format!("not a umdev bench pin JSON report: {e}")))?;
+    pin_svg(&input.machine, &input.cells)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    #[test]
-    fn test_xml_escape_escapes_markup() {
-        assert_eq!(xml_escape("a<b&\"c\""), "a&lt;b&amp;&quot;c&quot;");
-    }
-
-    #[test]
-    fn test_log_axis_maps_ends_and_middle() {
-        let ax = LogAxis {
-            lo: 1.0,
-            hi: 100.0,
-            a: 0.0,
-            b: 200.0,
-        };
-        assert_eq!(ax.map(1.0), 0.0);
-        assert!((ax.map(10.0) - 100.0).abs() < 1e-9);
-        assert_eq!(ax.map(100.0), 200.0);
-    }
-}
-
-#[cfg(test)]
-mod report_tests {
     use super::*;
     use crate::report::{PinConfig, PinReport, PIN_SCHEMA};
     use crate::sampler::{SamplePlan, VariantSamples};
@@ -310,8 +343,8 @@ mod report_tests {
             )
         };
         PinCell {
-            backing: "4k",
-            policy: "lock",
+            backing: "4k".into(),
+            policy: "lock".into(),
             pattern: pattern.into(),
             size,
             arrays: 1,
@@ -325,9 +358,8 @@ mod report_tests {
         }
     }
 
-    #[test]
-    fn test_pin_svg_one_panel_per_pattern_two_lines_each() {
-        let report = PinReport {
+    fn report(cells: Vec<PinCell>) -> PinReport {
+        PinReport {
             schema: PIN_SCHEMA,
             command: vec![],
             config: PinConfig {
@@ -353,18 +385,131 @@ mod report_tests {
             },
             machine: crate::machine::collect(),
             backings: vec![],
-            cells: vec![
-                cell("contiguous", 1, 100.0, 100.0),
-                cell("contiguous", 512, 10.0, 100.0),
-                cell("scat<tered", 1, 100.0, 100.0),
-                cell("scat<tered", 512, 100.0, 100.0),
-            ],
+            cells,
             elapsed_s: 0.0,
-        };
-        let svg = pin_svg(&report);
+        }
+    }
+
+    fn two_panels() -> PinReport {
+        report(vec![
+            cell("contiguous", 1, 100.0, 100.0),
+            cell("contiguous", 512, 10.0, 100.0),
+            cell("scat<tered", 1, 100.0, 100.0),
+            cell("scat<tered", 512, 100.0, 100.0),
+        ])
+    }
+
+    /// The text of every `<text>` element (plotters writes it on the line after the tag).
+    fn texts(svg: &str) -> Vec<&str> {
+        let lines: Vec<&str> = svg.lines().collect();
+        lines
+            .windows(2)
+            .filter(|w| w[0].starts_with("<text"))
+            .map(|w| w[1])
+            .collect()
+    }
+
+    /// The (cx, cy) of every circle of `colour` (the medians), in drawing order.
+    fn medians(svg: &str, colour: &str) -> Vec<(i32, i32)> {
+        svg.lines()
+            .filter(|l| l.starts_with("<circle") && l.contains(&format!("fill=\"{colour}\"")))
+            .map(|l| {
+                let attr = |name: &str| -> i32 {
+                    let from = l.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+                    l[from..].split('"').next().unwrap().parse().unwrap()
+                };
+                (attr("cx"), attr("cy"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn test_pin_svg_one_panel_per_pattern_both_variants_in_each() {
+        let r = two_panels();
+        let svg = pin_svg(&r.machine, &r.cells).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert_eq!(svg.matches("<polyline").count(), 4);
-        assert!(svg.contains("scat&lt;tered"));
+        // One solid coalesced line per panel; the per-page line is dashed (many pieces).
+        let solid = svg
+            .lines()
+            .filter(|l| l.starts_with("<polyline") && l.contains("stroke=\"#1F77B4\""))
+            .count();
+        assert_eq!(solid, 2 + 1, "two panels and the legend");
+        let dashes = svg
+            .lines()
+            .filter(|l| l.starts_with("<polyline") && l.contains("stroke=\"#D62728\""))
+            .count();
+        assert!(dashes > 2 * 4, "dashed per-page lines: {dashes} pieces");
+        assert_eq!(medians(&svg, "#1F77B4").len(), 4);
+        assert_eq!(medians(&svg, "#D62728").len(), 4);
+        let texts = texts(&svg);
+        for title in ["contiguous", "scat&lt;tered", "4k / lock"] {
+            assert!(texts.contains(&title), "{title} in {texts:?}");
+        }
         assert!(!svg.contains("NaN"));
+    }
+
+    /// Pixel positions agree to a pixel (plotters maps a range onto its last pixel, not
+    /// one past it).
+    #[track_caller]
+    fn assert_near(got: i32, want: i32, what: &str) {
+        assert!((got - want).abs() <= 1, "{what}: {got} vs {want}");
+    }
+
+    #[test]
+    fn test_pin_svg_log_axes_place_medians_by_decade() {
+        // contiguous: coalesced 100 ns/page at 1 page, 10 at 512; per-page 100 at both.
+        let r = two_panels();
+        let svg = pin_svg(&r.machine, &r.cells).unwrap();
+        let c = medians(&svg, "#1F77B4");
+        let p = medians(&svg, "#D62728");
+        // First panel: x from the panel's left edge (size 1) to its right edge (size 512).
+        let what = format!("{c:?} {p:?}");
+        assert_near(c[0].0, LEFT, &what);
+        assert_near(c[1].0, LEFT + PANEL_W, &what);
+        // The y axis spans the decades 10..100 exactly: 100 at the top, 10 at the bottom.
+        assert_near(c[0].1, TOP, &what);
+        assert_near(c[1].1, TOP + PANEL_H, &what);
+        assert_near(p[0].1, TOP, &what);
+        assert_near(p[1].1, TOP, &what);
+        // Each y label is a decade.
+        let texts = texts(&svg);
+        for label in ["10", "100"] {
+            assert!(texts.contains(&label), "y label {label} in {texts:?}");
+        }
+        assert!(!texts.contains(&"1000"), "{texts:?}");
+    }
+
+    #[test]
+    fn test_pin_svg_trace_cell_sits_at_its_mean_array_length() {
+        let mut t = cell("trace:gpu", 512, 10.0, 20.0);
+        t.pages_per_array = 32.0;
+        let r = report(vec![
+            cell("contiguous", 1, 100.0, 100.0),
+            cell("contiguous", 1024, 10.0, 10.0),
+            t,
+        ]);
+        let svg = pin_svg(&r.machine, &r.cells).unwrap();
+        let c = medians(&svg, "#1F77B4");
+        // Second panel, x axis 1..1024 log: 32 pages is half way.
+        let x0 = LEFT + PANEL_W + GAP_X;
+        assert_near(c[2].0, x0 + PANEL_W / 2, &format!("{c:?}"));
+        assert!(
+            texts(&svg).contains(&"32"),
+            "x label at the trace's mean length"
+        );
+    }
+
+    #[test]
+    fn test_pin_svg_from_json_draws_what_the_report_draws() {
+        let r = two_panels();
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            pin_svg_from_json(&json).unwrap(),
+            pin_svg(&r.machine, &r.cells).unwrap()
+        );
+        assert!(matches!(
+            pin_svg_from_json("{\"cells\": 3}"),
+            Err(BenchError::Options(_))
+        ));
     }
 }

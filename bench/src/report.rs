@@ -12,7 +12,7 @@ use super::table::{fmt_ns, Table};
 pub const PIN_SCHEMA: &str = "umdev-bench-pin/1";
 
 /// One variant (coalesced or per-page) of one cell.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct VariantResult {
     /// Iterations timed together per sample (one iteration pins and unpins every array).
     pub iters_per_sample: u64,
@@ -45,12 +45,12 @@ impl VariantResult {
 }
 
 /// One measured combination of backing × policy × pattern × size.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PinCell {
     /// Page backing name.
-    pub backing: &'static str,
+    pub backing: String,
     /// Pin policy name.
-    pub policy: &'static str,
+    pub policy: String,
     /// Pattern name (`trace:NAME` for a replayed trace).
     pub pattern: String,
     /// Array size (for a trace: the size bucket, arrays of length ≤ size and > the next
@@ -187,8 +187,9 @@ pub fn pin_table(report: &PinReport) -> String {
     let mut out = String::new();
     let mut blocks: Vec<(&str, &str)> = Vec::new();
     for c in &report.cells {
-        if !blocks.contains(&(c.backing, c.policy)) {
-            blocks.push((c.backing, c.policy));
+        let block = (c.backing.as_str(), c.policy.as_str());
+        if !blocks.contains(&block) {
+            blocks.push(block);
         }
     }
     for (backing, policy) in blocks {
