@@ -24,11 +24,10 @@ use std::time::Instant;
 use umdev::dma::{DmaConfig, DmaError, DmaHandle, DmaMapping, DmaSpace, Prot};
 
 use super::local_mapping::{memfd, LocalMapping};
-use super::machine;
-use super::progress::{Progress, ProgressMode};
-use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
-use super::sampler::{interleaved, SamplePlan};
-use super::OutputArgs;
+use super::progress::Progress;
+use super::report::{pair_table, print_report, PairReport, PairRow, SideResult};
+use super::sampler::interleaved;
+use super::PairArgs;
 use crate::BenchError;
 use umdev::server::{Server, ServerConfig};
 use umdev::testing::{FdlessMemory, TrivialDevice, Vmm};
@@ -48,31 +47,9 @@ pub struct DmaArgs {
     /// Operation sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8u64, 64, 512, 4096, 32768, 262144, 2097152, 16777216])]
     pub sizes: Vec<u64>,
-    /// Fast run: fewer and shorter samples.
-    #[arg(long)]
-    pub quick: bool,
-    /// Samples kept per side [default: 31, quick 15].
-    #[arg(long)]
-    pub samples: Option<usize>,
-    /// Output options.
+    /// Sampling and output options.
     #[command(flatten)]
-    pub out: OutputArgs,
-}
-
-fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
-    let (n, target_ms, warm_ms) = if quick {
-        (15, 0.5, 2.0)
-    } else {
-        (31, 2.0, 10.0)
-    };
-    SamplePlan {
-        warmup: std::time::Duration::from_secs_f64(warm_ms / 1e3),
-        samples: samples.unwrap_or(n).clamp(1, 10_000),
-        sample_target: std::time::Duration::from_secs_f64(target_ms / 1e3),
-        max_iters: 10_000_000,
-        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
-        min_samples: 5,
-    }
+    pub run: PairArgs,
 }
 
 /// `v` as a `usize` (sizes are checked against [`MAX_SIZE`] first, so this fails only on a
@@ -84,7 +61,7 @@ fn to_usize(v: u64) -> Result<usize, BenchError> {
 /// Entry point of `umdev bench dma`.
 pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     let started = Instant::now();
-    let plan = plan_of(args.quick, args.samples);
+    let plan = args.run.plan((10.0, 2.0), 10_000_000);
     if let Some(&bad) = args.sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
         return Err(BenchError::Options(format!(
             "size {bad} out of range 1..={MAX_SIZE}"
@@ -130,10 +107,7 @@ pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     client.dma_map_fdless(FDLESS_IOVA, region)?;
     let dma_server = client.serve_in_background()?;
 
-    let mut progress = Progress::new(ProgressMode::detect(args.out.quiet), args.sizes.len() * 5);
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
+    let mut progress = Progress::for_run(args.run.out.quiet, args.sizes.len() * 5);
     let mut rows = Vec::new();
     for &size in &args.sizes {
         let len = to_usize(size)?;
@@ -239,15 +213,11 @@ pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     drop(local);
     tracing::debug!(served, "fd-less DMA requests served");
 
-    let report = PairReport {
-        schema: PAIR_SCHEMA,
-        bench: "dma",
-        command: std::env::args().collect(),
+    let report = PairReport::new(
+        "dma",
         plan,
-        machine: machine::collect(),
         rows,
-        unavailable: Vec::new(),
-        notes: vec![
+        vec![
             "memcpy: copy_nonoverlapping between a local buffer and a second mapping of the \
              same memfd pages (the physical limit)"
                 .into(),
@@ -258,16 +228,15 @@ pub fn run(args: DmaArgs) -> Result<(), BenchError> {
              umdev server socket; the client answers DMA_READ/DMA_WRITE from its memory"
                 .into(),
         ],
-        elapsed_s: started.elapsed().as_secs_f64(),
-    };
-    if !args.out.quiet {
-        println!("umdev bench dma — {}", report.machine.summary());
-    }
-    print!("{}", pair_table(&report, true));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+        started,
+    );
+    print_report(
+        "dma",
+        &args.run.out,
+        &report.machine,
+        &pair_table(&report, true),
+        &report,
+    )?;
     println!("{:.1} s", report.elapsed_s);
     Ok(())
 }

@@ -78,6 +78,41 @@ pub struct OutputArgs {
     pub quiet: bool,
 }
 
+/// Options of the A/B benches (`dma`, `wire`): how much to sample, where the report goes.
+#[derive(clap::Args, Debug, Default)]
+pub struct PairArgs {
+    /// Fast run: fewer and shorter samples.
+    #[arg(long)]
+    pub quick: bool,
+    /// Samples kept per side [default: 31, quick 15].
+    #[arg(long)]
+    pub samples: Option<usize>,
+    /// Output options.
+    #[command(flatten)]
+    pub out: OutputArgs,
+}
+
+impl PairArgs {
+    /// The sampling plan: 31 samples of 2 ms each side (quick: 15 of 0.5 ms) after
+    /// `warmup_ms` (full, quick) of warm-up, at most `max_iters` iterations per sample and
+    /// 5 s per comparison (quick: 1 s), never fewer than 5 samples.
+    pub fn plan(&self, warmup_ms: (f64, f64), max_iters: u64) -> sampler::SamplePlan {
+        let (n, target_ms, warm_ms, budget_s) = if self.quick {
+            (15, 0.5, warmup_ms.1, 1)
+        } else {
+            (31, 2.0, warmup_ms.0, 5)
+        };
+        sampler::SamplePlan {
+            warmup: std::time::Duration::from_secs_f64(warm_ms / 1e3),
+            samples: self.samples.unwrap_or(n).clamp(1, 10_000),
+            sample_target: std::time::Duration::from_secs_f64(target_ms / 1e3),
+            max_iters,
+            cell_budget: Some(std::time::Duration::from_secs(budget_s)),
+            min_samples: 5,
+        }
+    }
+}
+
 /// Arguments of `umdev bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -106,5 +141,32 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Dma(a) => dma::run(*a),
         BenchCommand::Wire(a) => wire::run(*a),
         BenchCommand::Record(a) => record::run(*a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn test_pair_args_plan_quick_is_fewer_and_shorter_samples() {
+        let mut args = PairArgs::default();
+        let full = args.plan((20.0, 5.0), 1000);
+        assert_eq!(
+            (full.samples, full.sample_target, full.warmup),
+            (31, Duration::from_millis(2), Duration::from_millis(20))
+        );
+        assert_eq!(full.cell_budget, Some(Duration::from_secs(5)));
+        assert_eq!((full.max_iters, full.min_samples), (1000, 5));
+        args.quick = true;
+        let quick = args.plan((20.0, 5.0), 1000);
+        assert_eq!(
+            (quick.samples, quick.sample_target, quick.warmup),
+            (15, Duration::from_micros(500), Duration::from_millis(5))
+        );
+        assert_eq!(quick.cell_budget, Some(Duration::from_secs(1)));
+        args.samples = Some(0);
+        assert_eq!(args.plan((1.0, 1.0), 1).samples, 1, "at least one sample");
     }
 }

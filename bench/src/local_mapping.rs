@@ -1,13 +1,16 @@
-//! Shared-memory helpers of the benches: memfds and an RAII `mmap` of one.
+//! Shared-memory helpers of the benches: memfds and a local mapping of one.
 //!
 //! The DMA layer maps client fds itself; the benches create those fds (a memfd stands in for
 //! the VMM's guest RAM) and sometimes map them a second time locally (to prefault transparent
-//! huge pages, or to copy the same memory with plain memcpy as the physical limit).
+//! huge pages, or to copy the same memory with plain memcpy as the physical limit). The local
+//! mapping is vm-memory's [`MmapRegion`], as the DMA layer's own.
 
 use std::ffi::CString;
+use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::ptr::NonNull;
+use std::os::fd::{FromRawFd, OwnedFd};
+
+use vm_memory::{FileOffset, MmapRegion};
 
 /// Create a memfd named `name` with `flags` (MFD_CLOEXEC is added) and size it to `size`
 /// bytes (sparse: no memory is allocated until touched).
@@ -19,24 +22,15 @@ pub fn memfd(name: &str, flags: libc::c_uint, size: u64) -> io::Result<OwnedFd> 
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `raw` is a freshly created descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let len = libc::off_t::try_from(size).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-    // SAFETY: plain syscall on a descriptor we own.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(fd)
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    file.set_len(size)?;
+    Ok(file.into())
 }
 
 /// A `MAP_SHARED` read/write mapping of a file, unmapped on drop.
 pub struct LocalMapping {
-    ptr: NonNull<u8>,
-    len: usize,
+    region: MmapRegion,
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value; access goes through raw
-// pointers by the caller, who is responsible for synchronisation, as with any shared memory.
-unsafe impl Send for LocalMapping {}
 
 impl LocalMapping {
     /// Map `len` bytes of `fd` from offset 0.
@@ -44,29 +38,27 @@ impl LocalMapping {
         if len == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        // SAFETY: a fresh mapping chosen by the kernel (null hint) overlaps nothing we own;
-        // the result is checked for MAP_FAILED.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(p.cast::<u8>())
-            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
-        Ok(LocalMapping { ptr, len })
+        let file = File::from(fd.try_clone()?);
+        let region = MmapRegion::from_file(FileOffset::new(file, 0), len).map_err(|e| match e {
+            vm_memory::mmap::MmapRegionError::Mmap(io) => io,
+            other => io::Error::other(other),
+        })?;
+        Ok(LocalMapping { region })
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.region.size()
+    }
+
+    /// Always false: an empty mapping is refused.
+    pub fn is_empty(&self) -> bool {
+        self.region.size() == 0
     }
 
     /// Start of the mapping.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.region.as_ptr()
     }
 
     /// Copy the first `buf.len()` bytes of the mapping into `buf`: a plain memcpy, the
@@ -75,11 +67,11 @@ impl LocalMapping {
     /// # Panics
     /// If `buf` is longer than the mapping.
     pub fn copy_to(&self, buf: &mut [u8]) {
-        assert!(buf.len() <= self.len, "copy beyond the local mapping");
+        assert!(buf.len() <= self.len(), "copy beyond the local mapping");
         // SAFETY: `buf.len()` bytes are inside our live mapping (checked above) and inside
         // `buf`; a mapping and a Rust buffer never overlap. Raw copies, never a slice of the
         // shared memory.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), buf.as_mut_ptr(), buf.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr(), buf.as_mut_ptr(), buf.len()) };
     }
 
     /// Copy `data` to the start of the mapping: a plain memcpy (see [`Self::copy_to`]).
@@ -87,15 +79,15 @@ impl LocalMapping {
     /// # Panics
     /// If `data` is longer than the mapping.
     pub fn copy_from(&self, data: &[u8]) {
-        assert!(data.len() <= self.len, "copy beyond the local mapping");
+        assert!(data.len() <= self.len(), "copy beyond the local mapping");
         // SAFETY: as in `copy_to`, in the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr(), data.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr(), data.len()) };
     }
 
     /// `madvise(advice)` over the whole mapping.
     pub fn advise(&self, advice: libc::c_int) -> io::Result<()> {
         // SAFETY: the range is exactly our live mapping; advice does not unmap it.
-        if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) } < 0 {
+        if unsafe { libc::madvise(self.as_ptr().cast(), self.len(), advice) } < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())
@@ -105,19 +97,12 @@ impl LocalMapping {
     pub fn touch(&self, stride: usize) {
         let stride = stride.max(1);
         let mut off = 0;
-        while off < self.len {
+        while off < self.len() {
             // SAFETY: `off < len`, inside our read/write mapping; a volatile write because
             // the memory is shared.
-            unsafe { self.ptr.as_ptr().add(off).write_volatile(1) };
+            unsafe { self.as_ptr().add(off).write_volatile(1) };
             off += stride;
         }
-    }
-}
-
-impl Drop for LocalMapping {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly the mapping this value owns, once.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 

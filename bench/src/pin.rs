@@ -21,9 +21,9 @@ use super::backing::{prepare, Backing, Prepared, HUGE_PAGE};
 use super::machine;
 use super::patterns::{generate, runs, Pattern};
 use super::plot::pin_svg;
-use super::progress::{Progress, ProgressMode};
+use super::progress::Progress;
 use super::report::{
-    paired_ratio, pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
+    paired_ratio, pin_table, print_report, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
     VariantResult, PIN_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
@@ -420,13 +420,10 @@ pub fn run(args: PinArgs) -> Result<(), BenchError> {
         .unwrap_or(1);
     let region_bytes = (span_pages * PAGE_SIZE).div_ceil(HUGE_PAGE) * HUGE_PAGE;
     let machine = machine::collect();
-    let mut progress = Progress::new(
-        ProgressMode::detect(args.out.quiet),
+    let mut progress = Progress::for_run(
+        args.out.quiet,
         work.len() * args.policies.len() * args.backings.len(),
     );
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
     let ctx = RunCtx {
         self_check: args.self_check,
         region_bytes,
@@ -495,14 +492,13 @@ pub fn run(args: PinArgs) -> Result<(), BenchError> {
         cells,
         elapsed_s: started.elapsed().as_secs_f64(),
     };
-    if !args.out.quiet {
-        println!("umdev bench pin — {}", report.machine.summary());
-    }
-    print!("{}", pin_table(&report));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+    print_report(
+        "pin",
+        &args.out,
+        &report.machine,
+        &pin_table(&report),
+        &report,
+    )?;
     if let Some(path) = &args.plot {
         std::fs::write(path, pin_svg(&report.machine, &report.cells)?)?;
         println!("plot: {}", path.display());

@@ -67,6 +67,17 @@ impl Progress {
         }
     }
 
+    /// Progress of a bench run over `total` steps: shown as [`ProgressMode::detect`] says,
+    /// starting with a warning when this is a debug build (its numbers mean little).
+    pub fn for_run(quiet: bool, total: usize) -> Progress {
+        let mut progress = Progress::new(ProgressMode::detect(quiet), total);
+        if crate::machine::is_debug_build() {
+            progress
+                .note("umdev bench: this is a debug build; build with --release for real numbers");
+        }
+        progress
+    }
+
     /// A bar over `total` steps drawn to `target`.
     fn bar_on(target: ProgressDrawTarget, total: usize) -> Progress {
         let bar = ProgressBar::with_draw_target(Some(total as u64), target);

@@ -3,10 +3,11 @@
 use std::io::Write;
 use std::path::Path;
 
-use super::machine::MachineInfo;
+use super::machine::{self, MachineInfo};
 use super::sampler::{SamplePlan, VariantSamples};
 use super::stats::{summarize, Summary};
 use super::table::{fmt_ns, Table};
+use super::OutputArgs;
 
 /// Version tag of the JSON layout.
 pub const PIN_SCHEMA: &str = "umdev-bench-pin/1";
@@ -148,6 +149,27 @@ pub struct PinReport {
     pub cells: Vec<PinCell>,
     /// Wall time of the run in seconds.
     pub elapsed_s: f64,
+}
+
+/// Print a finished run the way every bench does: a header naming the bench and the machine
+/// (unless `--quiet`), the table, and the `--json` file written. The caller adds its own
+/// lines (the plot) and then the elapsed time.
+pub fn print_report(
+    bench: &str,
+    out: &OutputArgs,
+    machine: &MachineInfo,
+    table: &str,
+    report: &impl serde::Serialize,
+) -> std::io::Result<()> {
+    if !out.quiet {
+        println!("umdev bench {bench} — {}", machine.summary());
+    }
+    print!("{table}");
+    if let Some(path) = &out.json {
+        write_json(path, report)?;
+        println!("JSON: {}", path.display());
+    }
+    Ok(())
 }
 
 /// Write any report as pretty JSON to `path`.
@@ -376,6 +398,30 @@ pub struct PairReport {
     pub notes: Vec<String>,
     /// Wall time of the run in seconds.
     pub elapsed_s: f64,
+}
+
+impl PairReport {
+    /// The report of `bench` (`dma` or `wire`) started at `started`: its rows, what each
+    /// side means, the machine and the command line.
+    pub fn new(
+        bench: &'static str,
+        plan: SamplePlan,
+        rows: Vec<PairRow>,
+        notes: Vec<String>,
+        started: std::time::Instant,
+    ) -> PairReport {
+        PairReport {
+            schema: PAIR_SCHEMA,
+            bench,
+            command: std::env::args().collect(),
+            plan,
+            machine: machine::collect(),
+            rows,
+            unavailable: Vec::new(),
+            notes,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        }
+    }
 }
 
 /// A byte count as `8 B`, `4 KiB`, `16 MiB`, `1 GiB`.

@@ -11,17 +11,14 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::local_mapping::memfd;
-use super::machine;
-use super::progress::{Progress, ProgressMode};
-use super::report::{
-    fmt_bytes, pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA,
-};
-use super::sampler::{interleaved, SamplePlan};
+use super::progress::Progress;
+use super::report::{fmt_bytes, pair_table, print_report, PairReport, PairRow, SideResult};
+use super::sampler::interleaved;
 use super::vfio_user_trivial::{vfio_user_regions, VfioUserTrivial};
-use super::OutputArgs;
+use super::PairArgs;
 use crate::BenchError;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::server::{RunningServer, Server, ServerConfig};
@@ -38,15 +35,9 @@ pub struct WireArgs {
     /// DMA_MAP sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 1 << 20, 256 << 20, 16 << 30])]
     pub map_sizes: Vec<u64>,
-    /// Fast run: fewer and shorter samples.
-    #[arg(long)]
-    pub quick: bool,
-    /// Samples kept per side [default: 31, quick 15].
-    #[arg(long)]
-    pub samples: Option<usize>,
-    /// Output options.
+    /// Sampling and output options.
     #[command(flatten)]
-    pub out: OutputArgs,
+    pub run: PairArgs,
 }
 
 /// Start umdev's server on `path` serving the trivial device, as a VMM would find it: the
@@ -85,22 +76,6 @@ pub fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>
     }))
 }
 
-fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
-    let (n, target_ms, warm_ms) = if quick {
-        (15, 0.5, 5.0)
-    } else {
-        (31, 2.0, 20.0)
-    };
-    SamplePlan {
-        warmup: Duration::from_secs_f64(warm_ms / 1e3),
-        samples: samples.unwrap_or(n).clamp(1, 10_000),
-        sample_target: Duration::from_secs_f64(target_ms / 1e3),
-        max_iters: 1_000_000,
-        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
-        min_samples: 5,
-    }
-}
-
 /// Connect the `vfio_user` crate's client to `path`.
 pub fn client(path: &Path) -> Result<vfio_user::Client, BenchError> {
     vfio_user::Client::new(path)
@@ -116,7 +91,7 @@ fn vfio_err(e: vfio_user::Error) -> std::io::Error {
 /// Entry point of `umdev bench wire`.
 pub fn run(args: WireArgs) -> Result<(), BenchError> {
     let started = Instant::now();
-    let plan = plan_of(args.quick, args.samples);
+    let plan = args.run.plan((20.0, 5.0), 1_000_000);
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-wire-")
         .tempdir()?;
@@ -124,13 +99,7 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
     let vfio_path = dir.path().join("vfio-user.sock");
     let umdev_side = spawn_umdev(&umdev_path)?;
     let vfio_thread = spawn_vfio_user(&vfio_path, 2)?;
-    let mut progress = Progress::new(
-        ProgressMode::detect(args.out.quiet),
-        3 + args.map_sizes.len(),
-    );
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
+    let mut progress = Progress::for_run(args.run.out.quiet, 3 + args.map_sizes.len());
     let names = ("umdev server", "vfio_user::Server");
     let mut rows = Vec::new();
     {
@@ -227,30 +196,25 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
     let _ = vfio_thread.join();
     drop(dir);
 
-    let report = PairReport {
-        schema: PAIR_SCHEMA,
-        bench: "wire",
-        command: std::env::args().collect(),
+    let report = PairReport::new(
+        "wire",
         plan,
-        machine: machine::collect(),
         rows,
-        unavailable: Vec::new(),
-        notes: vec![
+        vec![
             "both servers serve the same trivial device (4 KiB BAR0 registers) in this \
              process; clients are vfio_user::Client, posted writes use umdev's embedded VMM"
                 .into(),
             "ratio = umdev / vfio_user::Server time (< 1: umdev is faster)".into(),
         ],
-        elapsed_s: started.elapsed().as_secs_f64(),
-    };
-    if !args.out.quiet {
-        println!("umdev bench wire — {}", report.machine.summary());
-    }
-    print!("{}", pair_table(&report, false));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+        started,
+    );
+    print_report(
+        "wire",
+        &args.run.out,
+        &report.machine,
+        &pair_table(&report, false),
+        &report,
+    )?;
     println!("{:.1} s", report.elapsed_s);
     Ok(())
 }
