@@ -6,6 +6,7 @@
 //! on y), so panels compare at a glance. A replayed trace sits at the mean length of the
 //! arrays in its bucket. [`pin_svg_from_json`] draws the plot again from a `--json` file.
 
+use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -109,140 +110,149 @@ fn fmt_decade(v: &f64) -> String {
     }
 }
 
-fn draw_error(e: impl std::fmt::Display) -> BenchError {
-    BenchError::Io(std::io::Error::other(format!("drawing the plot: {e}")))
+/// The drawing surface, and what drawing on it can fail with (only a bug: it is a String).
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+type Drawn = Result<(), DrawingAreaErrorKind<std::io::Error>>;
+
+/// Draw `text` at `at` in `style`.
+fn label(root: &Area<'_>, text: &str, at: (i32, i32), style: TextStyle<'static>) -> Drawn {
+    root.draw(&Text::new(text.to_string(), at, style))
+}
+
+/// What every panel shares: the patterns (columns), backing × policy (rows), the x range
+/// and the y decades.
+struct Layout {
+    patterns: Vec<String>,
+    rows: Vec<(String, String)>,
+    x: (f64, f64),
+    y_decades: Vec<f64>,
+}
+
+impl Layout {
+    fn of(cells: &[PinCell]) -> Layout {
+        let sizes: Vec<f64> = cells.iter().map(|c| c.size as f64).collect();
+        let values: Vec<f64> = cells
+            .iter()
+            .flat_map(|c| [&c.coalesced, &c.per_page])
+            .flatten()
+            .flat_map(|v| [v.ns_per_page.p10, v.ns_per_page.p90, v.ns_per_page.median])
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        let x_lo = sizes.iter().copied().fold(f64::INFINITY, f64::min).max(1.0);
+        let x_hi = sizes.iter().copied().fold(0.0, f64::max).max(x_lo * 2.0);
+        let y_min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let y_max = values.iter().copied().fold(0.0, f64::max);
+        Layout {
+            patterns: unique(cells.iter().map(|c| c.pattern.clone())),
+            rows: unique(cells.iter().map(|c| (c.backing.clone(), c.policy.clone()))),
+            x: (x_lo, x_hi),
+            y_decades: if y_min.is_finite() && y_max > 0.0 {
+                decades(y_min, y_max)
+            } else {
+                vec![1.0, 10.0]
+            },
+        }
+    }
+
+    fn size(&self) -> (i32, i32) {
+        let width = (LEFT + self.patterns.len().max(1) as i32 * (PANEL_W + GAP_X) + 20).max(800);
+        let height = TOP + self.rows.len().max(1) as i32 * (PANEL_H + GAP_Y) + 20;
+        (width, height)
+    }
 }
 
 /// The SVG document for the cells of a `umdev bench pin` run on `machine`.
 pub fn pin_svg(machine: &MachineInfo, cells: &[PinCell]) -> Result<String, BenchError> {
-    let patterns = unique(cells.iter().map(|c| c.pattern.clone()));
-    let rows = unique(cells.iter().map(|c| (c.backing.clone(), c.policy.clone())));
-    let sizes: Vec<f64> = cells.iter().map(|c| c.size as f64).collect();
-    let values: Vec<f64> = cells
-        .iter()
-        .flat_map(|c| [&c.coalesced, &c.per_page])
-        .flatten()
-        .flat_map(|v| [v.ns_per_page.p10, v.ns_per_page.p90, v.ns_per_page.median])
-        .filter(|v| v.is_finite() && *v > 0.0)
-        .collect();
-    let x_lo = sizes.iter().copied().fold(f64::INFINITY, f64::min).max(1.0);
-    let x_hi = sizes.iter().copied().fold(0.0, f64::max).max(x_lo * 2.0);
-    let y_min = values.iter().copied().fold(f64::INFINITY, f64::min);
-    let y_max = values.iter().copied().fold(0.0, f64::max);
-    let y_decades = if y_min.is_finite() && y_max > 0.0 {
-        decades(y_min, y_max)
-    } else {
-        vec![1.0, 10.0]
-    };
-
-    let width = (LEFT + patterns.len().max(1) as i32 * (PANEL_W + GAP_X) + 20).max(800);
-    let height = TOP + rows.len().max(1) as i32 * (PANEL_H + GAP_Y) + 20;
+    let layout = Layout::of(cells);
+    let (width, height) = layout.size();
     let mut svg = String::new();
     {
         let root =
             SVGBackend::with_string(&mut svg, (width as u32, height as u32)).into_drawing_area();
-        root.fill(&WHITE).map_err(draw_error)?;
-        let text = |s: &str, at: (i32, i32), style: TextStyle<'static>| {
-            root.draw(&Text::new(s.to_string(), at, style))
-        };
-        let left_mid = Pos::new(HPos::Left, VPos::Center);
-        text(
-            "umdev bench pin: ns per page (pin + unpin) vs array size, log–log",
-            (LEFT, 15),
-            text_style(14.0, true, &BLACK_TEXT, left_mid),
-        )
-        .map_err(draw_error)?;
-        text(
-            &machine.summary(),
-            (LEFT, 34),
-            text_style(11.0, false, &NOTE, left_mid),
-        )
-        .map_err(draw_error)?;
-        // The legend.
-        root.draw(&PathElement::new(
-            vec![(LEFT, 58), (LEFT + 24, 58)],
-            COALESCED.stroke_width(2),
-        ))
-        .map_err(draw_error)?;
-        text(
-            "coalesced (pin_pages)",
-            (LEFT + 30, 58),
-            text_style(11.0, false, &BLACK_TEXT, left_mid),
-        )
-        .map_err(draw_error)?;
-        root.draw(&DashedPathElement::new(
-            vec![(LEFT + 170, 58), (LEFT + 194, 58)],
-            5,
-            3,
-            PER_PAGE.stroke_width(2),
-        ))
-        .map_err(draw_error)?;
-        text(
-            "per-page (naive)",
-            (LEFT + 200, 58),
-            text_style(11.0, false, &BLACK_TEXT, left_mid),
-        )
-        .map_err(draw_error)?;
-        text(
-            "bars: p10–p90",
-            (LEFT + 320, 58),
-            text_style(11.0, false, &LEGEND_NOTE, left_mid),
-        )
-        .map_err(draw_error)?;
-
-        for (ri, (backing, policy)) in rows.iter().enumerate() {
-            let y0 = TOP + ri as i32 * (PANEL_H + GAP_Y);
-            text(
-                &format!("{backing} / {policy}"),
-                (8, y0 + PANEL_H / 2),
-                text_style(11.0, true, &BLACK_TEXT, left_mid),
-            )
-            .map_err(draw_error)?;
-            for (ci, pattern) in patterns.iter().enumerate() {
-                let x0 = LEFT + ci as i32 * (PANEL_W + GAP_X);
-                if ri == 0 {
-                    text(
-                        pattern,
-                        (x0 + PANEL_W / 2, y0 - 6),
-                        text_style(
-                            11.0,
-                            true,
-                            &BLACK_TEXT,
-                            Pos::new(HPos::Center, VPos::Bottom),
-                        ),
-                    )
-                    .map_err(draw_error)?;
-                }
-                let here: Vec<&PinCell> = cells
-                    .iter()
-                    .filter(|c| {
-                        &c.pattern == pattern && &c.backing == backing && &c.policy == policy
-                    })
-                    .collect();
-                panel(&root, (x0, y0), &here, (x_lo, x_hi), &y_decades)?;
-            }
-        }
-        text(
-            "x: array size (pages), y: ns per page",
-            (LEFT, height - 10),
-            text_style(11.0, false, &NOTE, left_mid),
-        )
-        .map_err(draw_error)?;
-        root.present().map_err(draw_error)?;
+        draw(&root, machine, cells, &layout)
+            .and_then(|()| root.present())
+            .map_err(|e| std::io::Error::other(format!("drawing the plot: {e}")))?;
     }
     svg.push('\n');
     Ok(svg)
 }
 
+fn draw(root: &Area<'_>, machine: &MachineInfo, cells: &[PinCell], layout: &Layout) -> Drawn {
+    let left_mid = Pos::new(HPos::Left, VPos::Center);
+    let plain = |colour| text_style(11.0, false, colour, left_mid);
+    root.fill(&WHITE)?;
+    label(
+        root,
+        "umdev bench pin: ns per page (pin + unpin) vs array size, log–log",
+        (LEFT, 15),
+        text_style(14.0, true, &BLACK_TEXT, left_mid),
+    )?;
+    label(root, &machine.summary(), (LEFT, 34), plain(&NOTE))?;
+    // The legend.
+    root.draw(&PathElement::new(
+        vec![(LEFT, 58), (LEFT + 24, 58)],
+        COALESCED.stroke_width(2),
+    ))?;
+    label(
+        root,
+        "coalesced (pin_pages)",
+        (LEFT + 30, 58),
+        plain(&BLACK_TEXT),
+    )?;
+    root.draw(&DashedPathElement::new(
+        vec![(LEFT + 170, 58), (LEFT + 194, 58)],
+        5,
+        3,
+        PER_PAGE.stroke_width(2),
+    ))?;
+    label(
+        root,
+        "per-page (naive)",
+        (LEFT + 200, 58),
+        plain(&BLACK_TEXT),
+    )?;
+    label(root, "bars: p10–p90", (LEFT + 320, 58), plain(&LEGEND_NOTE))?;
+
+    for (ri, (backing, policy)) in layout.rows.iter().enumerate() {
+        let y0 = TOP + ri as i32 * (PANEL_H + GAP_Y);
+        label(
+            root,
+            &format!("{backing} / {policy}"),
+            (8, y0 + PANEL_H / 2),
+            text_style(11.0, true, &BLACK_TEXT, left_mid),
+        )?;
+        for (ci, pattern) in layout.patterns.iter().enumerate() {
+            let x0 = LEFT + ci as i32 * (PANEL_W + GAP_X);
+            if ri == 0 {
+                let above = Pos::new(HPos::Center, VPos::Bottom);
+                label(
+                    root,
+                    pattern,
+                    (x0 + PANEL_W / 2, y0 - 6),
+                    text_style(11.0, true, &BLACK_TEXT, above),
+                )?;
+            }
+            let here: Vec<&PinCell> = cells
+                .iter()
+                .filter(|c| &c.pattern == pattern && &c.backing == backing && &c.policy == policy)
+                .collect();
+            panel(root, (x0, y0), &here, layout)?;
+        }
+    }
+    let (_, height) = layout.size();
+    label(
+        root,
+        "x: array size (pages), y: ns per page",
+        (LEFT, height - 10),
+        plain(&NOTE),
+    )
+}
+
 /// One panel with its plotting area at `(x0, y0)`: frame, decade grid, the array sizes of
 /// its cells on x, both variants.
-fn panel(
-    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
-    (x0, y0): (i32, i32),
-    cells: &[&PinCell],
-    (x_lo, x_hi): (f64, f64),
-    y_decades: &[f64],
-) -> Result<(), BenchError> {
+fn panel(root: &Area<'_>, (x0, y0): (i32, i32), cells: &[&PinCell], layout: &Layout) -> Drawn {
+    let (x_lo, x_hi) = layout.x;
+    let y_decades = &layout.y_decades;
     let (y_lo, y_hi) = (y_decades[0], y_decades[y_decades.len() - 1]);
     let mut xs: Vec<f64> = unique(cells.iter().map(|c| x_of(c).round() as u64))
         .into_iter()
@@ -253,13 +263,13 @@ fn panel(
         (x0 - Y_LABELS_W, y0),
         (PANEL_W + Y_LABELS_W, PANEL_H + X_LABELS_H),
     );
-    let x_axis = (x_lo..x_hi).log_scale().with_key_points(xs);
-    let y_axis = (y_lo..y_hi).log_scale().with_key_points(y_decades.to_vec());
     let mut chart = ChartBuilder::on(&area)
         .x_label_area_size(X_LABELS_H)
         .y_label_area_size(Y_LABELS_W)
-        .build_cartesian_2d(x_axis, y_axis)
-        .map_err(draw_error)?;
+        .build_cartesian_2d(
+            (x_lo..x_hi).log_scale().with_key_points(xs),
+            (y_lo..y_hi).log_scale().with_key_points(y_decades.clone()),
+        )?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -270,42 +280,26 @@ fn panel(
         .label_style(font(9.0))
         .x_label_formatter(&|v| format!("{v:.0}"))
         .y_label_formatter(&fmt_decade)
-        .draw()
-        .map_err(draw_error)?;
+        .draw()?;
     root.draw(&Rectangle::new(
         [(x0, y0), (x0 + PANEL_W, y0 + PANEL_H)],
         FRAME.stroke_width(1),
-    ))
-    .map_err(draw_error)?;
-    for (pick, colour, dashed) in [
-        (
-            (|c: &PinCell| c.coalesced.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
-            COALESCED,
-            false,
-        ),
-        (
-            (|c: &PinCell| c.per_page.as_ref()) as fn(&PinCell) -> Option<&VariantResult>,
-            PER_PAGE,
-            true,
-        ),
-    ] {
+    ))?;
+    type Pick = fn(&PinCell) -> Option<&VariantResult>;
+    let coalesced: Pick = |c| c.coalesced.as_ref();
+    let per_page: Pick = |c| c.per_page.as_ref();
+    for (pick, colour, dashed) in [(coalesced, COALESCED, false), (per_page, PER_PAGE, true)] {
         let pts = variant_points(cells, pick, (x_lo, x_hi), (y_lo, y_hi));
         let line = pts.iter().map(|p| (p.0, p.1));
         if dashed {
-            chart
-                .draw_series(DashedLineSeries::new(line, 5, 3, colour.stroke_width(2)))
-                .map_err(draw_error)?;
+            chart.draw_series(DashedLineSeries::new(line, 5, 3, colour.stroke_width(2)))?;
         } else {
-            chart
-                .draw_series(LineSeries::new(line, colour.stroke_width(2)))
-                .map_err(draw_error)?;
+            chart.draw_series(LineSeries::new(line, colour.stroke_width(2)))?;
         }
-        chart
-            .draw_series(
-                pts.iter()
-                    .map(|p| ErrorBar::new_vertical(p.0, p.2, p.1, p.3, colour.filled(), 4)),
-            )
-            .map_err(draw_error)?;
+        chart.draw_series(
+            pts.iter()
+                .map(|p| ErrorBar::new_vertical(p.0, p.2, p.1, p.3, colour.filled(), 4)),
+        )?;
     }
     Ok(())
 }
