@@ -1,6 +1,5 @@
 //! The `umdev` command line: serve an example device, demo it without QEMU, or benchmark.
 
-mod bench;
 mod daemon;
 mod demo;
 mod run;
@@ -36,7 +35,7 @@ enum Command {
     /// Start a device and drive it with an embedded client (no QEMU needed).
     Demo(demo::DemoArgs),
     /// Benchmarks: pin patterns, dma_rw, wire round trips.
-    Bench(bench::BenchArgs),
+    Bench(umdev_bench::BenchArgs),
     /// Serve many instances of the GPU and ccw parents until Ctrl-C (the commands below).
     Daemon(daemon::DaemonArgs),
     #[command(flatten)]
@@ -63,7 +62,7 @@ fn main() {
     let result: CliResult = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Demo(args) => demo::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => umdev_bench::run(args).map_err(Into::into),
         Command::Daemon(args) => daemon::run(args),
         Command::Instances(command) => daemon::client::run(command),
     };

@@ -109,7 +109,7 @@ pub fn run(args: RunArgs) -> CliResult {
         ..DmaConfig::default()
     });
     if let Some(path) = &args.record_pins {
-        let rec = crate::bench::trace::trace_recorder(path)
+        let rec = umdev_bench::trace::trace_recorder(path)
             .map_err(|e| format!("cannot record pins to {}: {e}", path.display()))?;
         dma.set_pin_recorder(Some(rec));
         tracing::info!("recording pin arrays to {}", path.display());

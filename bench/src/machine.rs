@@ -5,7 +5,7 @@ use std::fs;
 use super::backing::{free_huge_pages, sysfs_choice, SHMEM_THP};
 
 /// Description of the machine and build, recorded with every report.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct MachineInfo {
     /// CPU model name from /proc/cpuinfo.
     pub cpu_model: String,
@@ -24,9 +24,9 @@ pub struct MachineInfo {
     /// Effective uid (root ignores RLIMIT_MEMLOCK for mlock).
     pub euid: u32,
     /// `release` or `debug` (numbers from a debug build are not meaningful).
-    pub build_profile: &'static str,
+    pub build_profile: String,
     /// umdev version.
-    pub umdev_version: &'static str,
+    pub umdev_version: String,
     /// Seconds since the epoch when the run started.
     pub started_unix_s: u64,
 }
@@ -76,8 +76,8 @@ pub fn collect() -> MachineInfo {
         memlock_limit_bytes: memlock_limit(),
         // SAFETY: geteuid has no preconditions.
         euid: unsafe { libc::geteuid() },
-        build_profile: if is_debug_build() { "debug" } else { "release" },
-        umdev_version: env!("CARGO_PKG_VERSION"),
+        build_profile: if is_debug_build() { "debug" } else { "release" }.into(),
+        umdev_version: env!("CARGO_PKG_VERSION").into(),
         started_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),

@@ -31,7 +31,16 @@ use umdev_devices::testing::{run_ccw_program, Bar0};
 
 use super::rng::SeededRng;
 use super::trace::{read_trace, trace_recorder};
-use crate::{CliResult, DeviceKind};
+use crate::BenchError;
+
+/// Which example device to record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// gvt-style GPU: registers, GTT, command ring, framebuffer.
+    Gpu,
+    /// ccw-style channel block device backed by an image file.
+    Ccw,
+}
 
 /// Arguments of `umdev bench record`.
 #[derive(clap::Args, Debug)]
@@ -49,7 +58,8 @@ pub struct RecordArgs {
     pub seed: u64,
 }
 
-type BoxError = Box<dyn std::error::Error>;
+/// What the devices, their guest drivers and the embedded VMM fail with.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Guest physical address and size of the guest RAM.
 const RAM_BASE: u64 = 1 << 30;
@@ -60,18 +70,14 @@ const POOL_FIRST: u64 = 256;
 const POOL_PAGES: u64 = (RAM_SIZE as u64 / PAGE) - POOL_FIRST;
 
 /// Entry point of `umdev bench record`.
-pub fn run(args: RecordArgs) -> CliResult {
-    let dir = std::env::temp_dir().join(format!("umdev-bench-record-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let socket = dir.join("dev.sock");
+pub fn run(args: RecordArgs) -> Result<(), BenchError> {
+    let dir = tempfile::Builder::new()
+        .prefix("umdev-bench-record-")
+        .tempdir()?;
+    let socket = dir.path().join("dev.sock");
     let dma = DmaSpace::new(DmaConfig::default());
     dma.set_pin_recorder(Some(trace_recorder(&args.out)?));
-    let dev: Box<dyn Device> = match args.device {
-        DeviceKind::Gpu => Box::new(PciAdapter::new(Gpu::new(GpuConfig::default())?)?),
-        DeviceKind::Ccw => Box::new(PciAdapter::new(Ccw::new(
-            CcwConfig::new(dir.join("ccw.img")).with_capacity(65536),
-        )?)?),
-    };
+    let dev = example_device(args.device, dir.path()).map_err(BenchError::Workload)?;
     let server = Server::new(ServerConfig::new(&socket), dev, Arc::clone(&dma)).spawn()?;
     let mut rng = SeededRng::new(args.seed);
     let result = match args.device {
@@ -80,8 +86,8 @@ pub fn run(args: RecordArgs) -> CliResult {
     };
     server.shutdown()?;
     dma.set_pin_recorder(None);
-    let _ = std::fs::remove_dir_all(&dir);
-    result?;
+    drop(dir);
+    result.map_err(BenchError::Workload)?;
     let entries = read_trace(&args.out)?;
     let pages: usize = entries.iter().map(|e| e.pfns.len()).sum();
     println!(
@@ -91,6 +97,16 @@ pub fn run(args: RecordArgs) -> CliResult {
         args.out.display()
     );
     Ok(())
+}
+
+/// The example device `kind`, its backing files (the ccw image) in `dir`.
+fn example_device(kind: DeviceKind, dir: &Path) -> Result<Box<dyn Device>, BoxError> {
+    Ok(match kind {
+        DeviceKind::Gpu => Box::new(PciAdapter::new(Gpu::new(GpuConfig::default())?)?),
+        DeviceKind::Ccw => Box::new(PciAdapter::new(Ccw::new(
+            CcwConfig::new(dir.join("ccw.img")).with_capacity(65536),
+        )?)?),
+    })
 }
 
 /// A page allocator over the guest RAM pool: contiguous or scattered pages.
@@ -126,7 +142,7 @@ const GTT_TEXTURE: (u32, u64) = (64, 16);
 const GTT_CURSOR: (u32, u64) = (96, 4);
 const GTT_SHOT: (u32, u64) = (128, 4);
 
-fn gpu_workload(socket: &Path, frames: u32, rng: &mut SeededRng) -> CliResult {
+fn gpu_workload(socket: &Path, frames: u32, rng: &mut SeededRng) -> Result<(), BoxError> {
     let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
     let _msi = vmm.enable_msi()?;
@@ -220,7 +236,7 @@ fn idal_gpa(i: u64) -> u64 {
     RAM_BASE + 0x1000 + i * 0x1000
 }
 
-fn ccw_workload(socket: &Path, programs: u32, rng: &mut SeededRng) -> CliResult {
+fn ccw_workload(socket: &Path, programs: u32, rng: &mut SeededRng) -> Result<(), BoxError> {
     let mut vmm = Vmm::connect(socket)?.with_ram(RAM_BASE, RAM_SIZE)?;
     vmm.enable_device()?;
     let msi = vmm.enable_msi()?;

@@ -10,6 +10,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umdev::dma::{
@@ -19,15 +20,16 @@ use umdev::dma::{
 use super::backing::{prepare, Backing, Prepared, HUGE_PAGE};
 use super::machine;
 use super::patterns::{generate, runs, Pattern};
-use super::progress::{Progress, ProgressMode};
+use super::plot::pin_svg;
+use super::progress::Progress;
 use super::report::{
-    paired_ratio, pin_table, write_json, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
+    paired_ratio, pin_table, print_report, BackingStatus, PinCell, PinConfig, PinReport, TraceInfo,
     VariantResult, PIN_SCHEMA,
 };
 use super::sampler::{interleaved, SamplePlan};
 use super::trace::{compact, read_trace};
 use super::OutputArgs;
-use crate::CliResult;
+use crate::BenchError;
 
 /// IOVA where the bench region is mapped (1 GiB, an ordinary guest RAM address).
 pub const REGION_IOVA: u64 = 1 << 30;
@@ -140,19 +142,38 @@ pub fn plan_of(args: &PinArgs) -> SamplePlan {
     }
 }
 
-/// One unit of work: the arrays one iteration pins and unpins.
-struct Work {
-    pattern: String,
-    size: usize,
-    arrays: Vec<(Vec<u64>, Prot)>,
+/// One unit of work: the arrays one iteration pins and unpins (for a synthetic pattern one
+/// array, for a trace bucket every recorded array of the bucket, in order).
+pub struct Work {
+    /// Pattern name (`trace:NAME` for a replayed trace).
+    pub pattern: String,
+    /// Array size, or the size bucket of a trace.
+    pub size: usize,
+    /// The arrays with the permission each is pinned with.
+    pub arrays: Vec<(Vec<u64>, Prot)>,
 }
 
 impl Work {
-    fn pages(&self) -> usize {
+    /// The array of `size` pages of `pattern` for `seed`, in the bench region at
+    /// [`REGION_IOVA`], pinned read/write.
+    pub fn synthetic(pattern: Pattern, size: usize, seed: u64) -> Work {
+        Work {
+            pattern: pattern.name().to_string(),
+            size,
+            arrays: vec![(
+                generate(pattern, size, REGION_IOVA >> PAGE_SHIFT, seed),
+                Prot::RW,
+            )],
+        }
+    }
+
+    /// Pages in all arrays.
+    pub fn pages(&self) -> usize {
         self.arrays.iter().map(|(a, _)| a.len()).sum()
     }
 
-    fn runs_per_array(&self) -> f64 {
+    /// Mean maximal runs of consecutive pages per array.
+    pub fn runs_per_array(&self) -> f64 {
         let total: usize = self.arrays.iter().map(|(a, _)| runs(a)).sum();
         total as f64 / self.arrays.len().max(1) as f64
     }
@@ -164,6 +185,28 @@ impl Work {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// A DMA space under `policy` with `fd` mapped read/write at [`REGION_IOVA`] for
+/// `region_bytes`, its lock limit the region's size (so `Lock` never hits it).
+pub fn map_region(
+    fd: OwnedFd,
+    policy: PinPolicy,
+    region_bytes: u64,
+) -> Result<Arc<DmaSpace>, DmaError> {
+    let space = DmaSpace::new(DmaConfig {
+        policy,
+        lock_limit_bytes: Some(region_bytes),
+        ..DmaConfig::default()
+    });
+    space.map(DmaMapping {
+        iova: REGION_IOVA,
+        size: region_bytes,
+        prot: Prot::RW,
+        fd: Some(fd),
+        offset: 0,
+    })?;
+    Ok(space)
 }
 
 /// The smallest configured size ≥ `len`, or the largest.
@@ -185,23 +228,21 @@ fn trace_name(path: &std::path::Path) -> String {
 }
 
 /// Build every unit of work and the trace descriptions.
-fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), Box<dyn std::error::Error>> {
+fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), BenchError> {
     let base = REGION_IOVA >> PAGE_SHIFT;
     let mut sizes = args.sizes.clone();
     sizes.sort_unstable();
     sizes.dedup();
     if let Some(&bad) = sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
-        return Err(format!("array size {bad} out of range 1..={MAX_SIZE}").into());
+        return Err(BenchError::Options(format!(
+            "array size {bad} out of range 1..={MAX_SIZE}"
+        )));
     }
     let mut work = Vec::new();
     if !args.traces_only {
         for &p in &args.patterns {
             for &s in &args.sizes {
-                work.push(Work {
-                    pattern: p.name().to_string(),
-                    size: s,
-                    arrays: vec![(generate(p, s, base, args.seed), Prot::RW)],
-                });
+                work.push(Work::synthetic(p, s, args.seed));
             }
         }
     }
@@ -234,7 +275,9 @@ fn build_work(args: &PinArgs) -> Result<(Vec<Work>, Vec<TraceInfo>), Box<dyn std
         }
     }
     if work.is_empty() {
-        return Err("nothing to measure (no pattern, size or trace selected)".into());
+        return Err(BenchError::Options(
+            "nothing to measure (no pattern, size or trace selected)".into(),
+        ));
     }
     Ok((work, infos))
 }
@@ -257,7 +300,11 @@ fn cross_check(h: &DmaHandle, w: &Work) -> Result<(), String> {
     Ok(())
 }
 
-fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinCellResult {
+/// Measure `w` on `h`: the coalesced path (`pin_pages`/`unpin_pages`) against the per-page
+/// path (`naive()`), or against itself with `self_check`, sampled interleaved under `plan`.
+/// Both paths must return the same host addresses first, and nothing may stay pinned after.
+/// The counter of every sample is the space's residency syscalls.
+pub fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinCellResult {
     cross_check(h, w)?;
     let mut bufs_a: Vec<Vec<u64>> = w.arrays.iter().map(|(a, _)| vec![0; a.len()]).collect();
     let mut bufs_b = bufs_a.clone();
@@ -297,7 +344,8 @@ fn measure(h: &DmaHandle, w: &Work, plan: &SamplePlan, self_check: bool) -> PinC
     ))
 }
 
-type PinCellResult = Result<(VariantResult, VariantResult), String>;
+/// The coalesced and the per-page result of a cell, or why it has none.
+pub type PinCellResult = Result<(VariantResult, VariantResult), String>;
 
 /// What every policy run shares.
 struct RunCtx<'a> {
@@ -315,20 +363,9 @@ fn run_policy(
     policy: PolicyArg,
     progress: &mut Progress,
     cells: &mut Vec<PinCell>,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<(), BenchError> {
     let (region_bytes, work, plan) = (ctx.region_bytes, ctx.work, &ctx.plan);
-    let space = DmaSpace::new(DmaConfig {
-        policy: policy.policy(),
-        lock_limit_bytes: Some(region_bytes),
-        ..DmaConfig::default()
-    });
-    space.map(DmaMapping {
-        iova: REGION_IOVA,
-        size: region_bytes,
-        prot: Prot::RW,
-        fd: Some(fd),
-        offset: 0,
-    })?;
+    let space = map_region(fd, policy.policy(), region_bytes)?;
     let handle = space.handle();
     for w in work {
         progress.start_step(&format!(
@@ -351,8 +388,8 @@ fn run_policy(
             _ => (None, None),
         };
         cells.push(PinCell {
-            backing: backing.name(),
-            policy: policy.name(),
+            backing: backing.name().into(),
+            policy: policy.name().into(),
             pattern: w.pattern.clone(),
             size: w.size,
             arrays: w.arrays.len(),
@@ -371,7 +408,7 @@ fn run_policy(
 }
 
 /// Entry point of `umdev bench pin`.
-pub fn run(args: PinArgs) -> CliResult {
+pub fn run(args: PinArgs) -> Result<(), BenchError> {
     let started = Instant::now();
     let plan = plan_of(&args);
     let (work, traces) = build_work(&args)?;
@@ -383,13 +420,10 @@ pub fn run(args: PinArgs) -> CliResult {
         .unwrap_or(1);
     let region_bytes = (span_pages * PAGE_SIZE).div_ceil(HUGE_PAGE) * HUGE_PAGE;
     let machine = machine::collect();
-    let mut progress = Progress::new(
-        ProgressMode::detect(args.out.quiet),
+    let mut progress = Progress::for_run(
+        args.out.quiet,
         work.len() * args.policies.len() * args.backings.len(),
     );
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
     let ctx = RunCtx {
         self_check: args.self_check,
         region_bytes,
@@ -458,16 +492,15 @@ pub fn run(args: PinArgs) -> CliResult {
         cells,
         elapsed_s: started.elapsed().as_secs_f64(),
     };
-    if !args.out.quiet {
-        println!("umdev bench pin — {}", report.machine.summary());
-    }
-    print!("{}", pin_table(&report));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+    print_report(
+        "pin",
+        &args.out,
+        &report.machine,
+        &pin_table(&report),
+        &report,
+    )?;
     if let Some(path) = &args.plot {
-        std::fs::write(path, super::plot::pin_svg(&report))?;
+        std::fs::write(path, pin_svg(&report.machine, &report.cells)?)?;
         println!("plot: {}", path.display());
     }
     println!("{:.1} s", report.elapsed_s);

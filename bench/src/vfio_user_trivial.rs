@@ -130,7 +130,7 @@ mod tests {
         let mut b = [0u8; 4];
         c.region_read(0, 16, &mut b).unwrap();
         assert_eq!(b, [9, 8, 7, 6]);
-        let fd = super::super::local_mapping::memfd("t", 0, 1 << 20).unwrap();
+        let fd = crate::local_mapping::memfd("t", 0, 1 << 20).unwrap();
         use std::os::fd::AsRawFd;
         c.dma_map(0, 1 << 30, 1 << 20, fd.as_raw_fd()).unwrap();
         c.dma_unmap(1 << 30, 1 << 20).unwrap();

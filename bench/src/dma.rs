@@ -24,12 +24,11 @@ use std::time::Instant;
 use umdev::dma::{DmaConfig, DmaError, DmaHandle, DmaMapping, DmaSpace, Prot};
 
 use super::local_mapping::{memfd, LocalMapping};
-use super::machine;
-use super::progress::{Progress, ProgressMode};
-use super::report::{pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA};
-use super::sampler::{interleaved, SamplePlan};
-use super::OutputArgs;
-use crate::CliResult;
+use super::progress::Progress;
+use super::report::{pair_table, print_report, PairReport, PairRow, SideResult};
+use super::sampler::interleaved;
+use super::PairArgs;
+use crate::BenchError;
 use umdev::server::{Server, ServerConfig};
 use umdev::testing::{FdlessMemory, TrivialDevice, Vmm};
 
@@ -48,51 +47,30 @@ pub struct DmaArgs {
     /// Operation sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![8u64, 64, 512, 4096, 32768, 262144, 2097152, 16777216])]
     pub sizes: Vec<u64>,
-    /// Fast run: fewer and shorter samples.
-    #[arg(long)]
-    pub quick: bool,
-    /// Samples kept per side [default: 31, quick 15].
-    #[arg(long)]
-    pub samples: Option<usize>,
-    /// Output options.
+    /// Sampling and output options.
     #[command(flatten)]
-    pub out: OutputArgs,
+    pub run: PairArgs,
 }
 
-fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
-    let (n, target_ms, warm_ms) = if quick {
-        (15, 0.5, 2.0)
-    } else {
-        (31, 2.0, 10.0)
-    };
-    SamplePlan {
-        warmup: std::time::Duration::from_secs_f64(warm_ms / 1e3),
-        samples: samples.unwrap_or(n).clamp(1, 10_000),
-        sample_target: std::time::Duration::from_secs_f64(target_ms / 1e3),
-        max_iters: 10_000_000,
-        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
-        min_samples: 5,
-    }
-}
-
-/// Copy `len` bytes from `src` to `dst` (raw, for memory shared with another mapping).
-fn raw_copy(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: callers pass pointers to `len` valid bytes of distinct allocations/mappings
-    // (a local Vec and a local mapping of the bench memfd), so the ranges do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+/// `v` as a `usize` (sizes are checked against [`MAX_SIZE`] first, so this fails only on a
+/// 32-bit host).
+fn to_usize(v: u64) -> Result<usize, BenchError> {
+    usize::try_from(v).map_err(|_| BenchError::Options(format!("size {v} does not fit usize")))
 }
 
 /// Entry point of `umdev bench dma`.
-pub fn run(args: DmaArgs) -> CliResult {
+pub fn run(args: DmaArgs) -> Result<(), BenchError> {
     let started = Instant::now();
-    let plan = plan_of(args.quick, args.samples);
+    let plan = args.run.plan((10.0, 2.0), 10_000_000);
     if let Some(&bad) = args.sizes.iter().find(|&&s| s == 0 || s > MAX_SIZE) {
-        return Err(format!("size {bad} out of range 1..={MAX_SIZE}").into());
+        return Err(BenchError::Options(format!(
+            "size {bad} out of range 1..={MAX_SIZE}"
+        )));
     }
     let max = args.sizes.iter().copied().max().unwrap_or(8);
     let region = max.next_multiple_of(2 << 20);
     let fd = memfd("umdev-bench-dma", 0, region)?;
-    let region_len = usize::try_from(region)?;
+    let region_len = to_usize(region)?;
     let local = LocalMapping::new(&fd, region_len)?;
     local.touch(4096);
     let space = DmaSpace::new(DmaConfig::default());
@@ -113,10 +91,11 @@ pub fn run(args: DmaArgs) -> CliResult {
 
     // The fd-less region: a umdev server on the same space, a client that maps a region
     // without an fd and answers the server's DMA_READ/DMA_WRITE from its own memory.
-    let sock_dir = std::env::temp_dir().join(format!("umdev-bench-dma-{}", std::process::id()));
-    std::fs::create_dir_all(&sock_dir)?;
+    let sock_dir = tempfile::Builder::new()
+        .prefix("umdev-bench-dma-")
+        .tempdir()?;
     let running = Server::new(
-        ServerConfig::new(sock_dir.join("dma.sock")),
+        ServerConfig::new(sock_dir.path().join("dma.sock")),
         Box::new(TrivialDevice::default()),
         space.clone(),
     )
@@ -128,13 +107,10 @@ pub fn run(args: DmaArgs) -> CliResult {
     client.dma_map_fdless(FDLESS_IOVA, region)?;
     let dma_server = client.serve_in_background()?;
 
-    let mut progress = Progress::new(ProgressMode::detect(args.out.quiet), args.sizes.len() * 5);
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
+    let mut progress = Progress::for_run(args.run.out.quiet, args.sizes.len() * 5);
     let mut rows = Vec::new();
     for &size in &args.sizes {
-        let len = usize::try_from(size)?;
+        let len = to_usize(size)?;
         let mut buf = vec![0u8; len];
         let mut buf2 = vec![0u8; len];
         let src = vec![0xa5u8; len];
@@ -144,7 +120,7 @@ pub fn run(args: DmaArgs) -> CliResult {
             &plan,
             &mut || handle.read(REGION_IOVA, &mut buf),
             &mut || -> Result<(), DmaError> {
-                raw_copy(local.as_ptr(), buf2.as_mut_ptr(), len);
+                local.copy_to(&mut buf2);
                 Ok(())
             },
             &mut || 0,
@@ -162,7 +138,7 @@ pub fn run(args: DmaArgs) -> CliResult {
             &plan,
             &mut || handle.write(REGION_IOVA, &src),
             &mut || -> Result<(), DmaError> {
-                raw_copy(src.as_ptr(), local.as_ptr(), len);
+                local.copy_from(&src);
                 Ok(())
             },
             &mut || 0,
@@ -233,19 +209,15 @@ pub fn run(args: DmaArgs) -> CliResult {
     space.unmap(REGION_IOVA, region, &mut |_, _| {})?;
     let served = dma_server.stop()?;
     running.shutdown()?;
-    let _ = std::fs::remove_dir_all(&sock_dir);
+    drop(sock_dir);
     drop(local);
     tracing::debug!(served, "fd-less DMA requests served");
 
-    let report = PairReport {
-        schema: PAIR_SCHEMA,
-        bench: "dma",
-        command: std::env::args().collect(),
+    let report = PairReport::new(
+        "dma",
         plan,
-        machine: machine::collect(),
         rows,
-        unavailable: Vec::new(),
-        notes: vec![
+        vec![
             "memcpy: copy_nonoverlapping between a local buffer and a second mapping of the \
              same memfd pages (the physical limit)"
                 .into(),
@@ -256,16 +228,15 @@ pub fn run(args: DmaArgs) -> CliResult {
              umdev server socket; the client answers DMA_READ/DMA_WRITE from its memory"
                 .into(),
         ],
-        elapsed_s: started.elapsed().as_secs_f64(),
-    };
-    if !args.out.quiet {
-        println!("umdev bench dma — {}", report.machine.summary());
-    }
-    print!("{}", pair_table(&report, true));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+        started,
+    );
+    print_report(
+        "dma",
+        &args.run.out,
+        &report.machine,
+        &pair_table(&report, true),
+        &report,
+    )?;
     println!("{:.1} s", report.elapsed_s);
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `umdev bench wire`: vfio-user message round trips through a real UNIX socket, umdev's
 //! server side by side with the `vfio_user` crate's own `Server`, both serving the same
-//! [`trivial_device`](super::trivial_device) in this process, both driven by the
+//! [`vfio_user_trivial`](super::vfio_user_trivial) in this process, both driven by the
 //! `vfio_user::Client` (and, for posted writes, which that client cannot send, by umdev's
 //! embedded [`Vmm`]). The two sides are sampled interleaved.
 //!
@@ -9,20 +9,17 @@
 //! memfd of 4 KiB … 16 GiB (both servers mmap and munmap the region).
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::local_mapping::memfd;
-use super::machine;
-use super::progress::{Progress, ProgressMode};
-use super::report::{
-    fmt_bytes, pair_table, write_json, PairReport, PairRow, SideResult, PAIR_SCHEMA,
-};
-use super::sampler::{interleaved, SamplePlan};
-use super::trivial_device::{vfio_user_regions, VfioUserTrivial};
-use super::OutputArgs;
-use crate::CliResult;
+use super::progress::Progress;
+use super::report::{fmt_bytes, pair_table, print_report, PairReport, PairRow, SideResult};
+use super::sampler::interleaved;
+use super::vfio_user_trivial::{vfio_user_regions, VfioUserTrivial};
+use super::PairArgs;
+use crate::BenchError;
 use umdev::dma::{DmaConfig, DmaSpace};
 use umdev::server::{RunningServer, Server, ServerConfig};
 use umdev::testing::{DeviceAccess, TrivialDevice, Vmm};
@@ -38,46 +35,37 @@ pub struct WireArgs {
     /// DMA_MAP sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 1 << 20, 256 << 20, 16 << 30])]
     pub map_sizes: Vec<u64>,
-    /// Fast run: fewer and shorter samples.
-    #[arg(long)]
-    pub quick: bool,
-    /// Samples kept per side [default: 31, quick 15].
-    #[arg(long)]
-    pub samples: Option<usize>,
-    /// Output options.
+    /// Sampling and output options.
     #[command(flatten)]
-    pub out: OutputArgs,
+    pub run: PairArgs,
 }
 
-type BoxError = Box<dyn std::error::Error>;
-
-/// The umdev side: a umdev server serving the trivial device on a socket.
-struct UmdevSide(RunningServer);
-
-/// Start umdev's server on `path` (DMA layer with its default Translate policy).
-fn spawn_umdev(path: &Path) -> Result<UmdevSide, BoxError> {
+/// Start umdev's server on `path` serving the trivial device, as a VMM would find it: the
+/// server itself, no test wrapper around the device (DMA layer with its default Translate
+/// policy).
+pub fn spawn_umdev(path: &Path) -> Result<RunningServer, BenchError> {
     let space = DmaSpace::new(DmaConfig::default());
-    let running = Server::new(
+    Ok(Server::new(
         ServerConfig::new(path),
         Box::new(TrivialDevice::default()),
         space,
     )
-    .spawn()?;
-    Ok(UmdevSide(running))
+    .spawn()?)
 }
 
-impl UmdevSide {
-    fn stop(self) {
-        if let Err(e) = self.0.shutdown() {
-            tracing::warn!(error = %e, "umdev server shutdown");
-        }
+/// Stop a server started by [`spawn_umdev`]; a failure is logged, not returned (the
+/// measurements are taken by then).
+pub fn stop_umdev(running: RunningServer) {
+    if let Err(e) = running.shutdown() {
+        tracing::warn!(error = %e, "umdev server shutdown");
     }
 }
 
-/// The `vfio_user::Server` side, serving `connections` connections one after the other.
-fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>, BoxError> {
+/// Start the `vfio_user::Server` side on `path`, serving `connections` connections one
+/// after the other on a thread of its own.
+pub fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>, BenchError> {
     let server = vfio_user::Server::new(path, true, Vec::new(), vfio_user_regions())
-        .map_err(|e| format!("vfio_user::Server::new: {e}"))?;
+        .map_err(|e| BenchError::VfioUser(format!("vfio_user::Server::new: {e}")))?;
     Ok(std::thread::spawn(move || {
         let mut dev = VfioUserTrivial::default();
         for _ in 0..connections {
@@ -88,24 +76,10 @@ fn spawn_vfio_user(path: &Path, connections: usize) -> Result<JoinHandle<()>, Bo
     }))
 }
 
-fn plan_of(quick: bool, samples: Option<usize>) -> SamplePlan {
-    let (n, target_ms, warm_ms) = if quick {
-        (15, 0.5, 5.0)
-    } else {
-        (31, 2.0, 20.0)
-    };
-    SamplePlan {
-        warmup: Duration::from_secs_f64(warm_ms / 1e3),
-        samples: samples.unwrap_or(n).clamp(1, 10_000),
-        sample_target: Duration::from_secs_f64(target_ms / 1e3),
-        max_iters: 1_000_000,
-        cell_budget: Some(std::time::Duration::from_secs(if quick { 1 } else { 5 })),
-        min_samples: 5,
-    }
-}
-
-fn client(path: &Path) -> Result<vfio_user::Client, BoxError> {
-    vfio_user::Client::new(path).map_err(|e| format!("vfio_user::Client::new: {e}").into())
+/// Connect the `vfio_user` crate's client to `path`.
+pub fn client(path: &Path) -> Result<vfio_user::Client, BenchError> {
+    vfio_user::Client::new(path)
+        .map_err(|e| BenchError::VfioUser(format!("vfio_user::Client::new: {e}")))
 }
 
 type Io = Result<(), std::io::Error>;
@@ -115,21 +89,17 @@ fn vfio_err(e: vfio_user::Error) -> std::io::Error {
 }
 
 /// Entry point of `umdev bench wire`.
-pub fn run(args: WireArgs) -> CliResult {
+pub fn run(args: WireArgs) -> Result<(), BenchError> {
     let started = Instant::now();
-    let plan = plan_of(args.quick, args.samples);
-    let dir = tempfile_dir()?;
-    let umdev_path = dir.join("umdev.sock");
-    let vfio_path = dir.join("vfio-user.sock");
+    let plan = args.run.plan((20.0, 5.0), 1_000_000);
+    let dir = tempfile::Builder::new()
+        .prefix("umdev-bench-wire-")
+        .tempdir()?;
+    let umdev_path = dir.path().join("umdev.sock");
+    let vfio_path = dir.path().join("vfio-user.sock");
     let umdev_side = spawn_umdev(&umdev_path)?;
     let vfio_thread = spawn_vfio_user(&vfio_path, 2)?;
-    let mut progress = Progress::new(
-        ProgressMode::detect(args.out.quiet),
-        3 + args.map_sizes.len(),
-    );
-    if machine::is_debug_build() {
-        progress.note("umdev bench: this is a debug build; build with --release for real numbers");
-    }
+    let mut progress = Progress::for_run(args.run.out.quiet, 3 + args.map_sizes.len());
     let names = ("umdev server", "vfio_user::Server");
     let mut rows = Vec::new();
     {
@@ -222,34 +192,29 @@ pub fn run(args: WireArgs) -> CliResult {
         progress.finish_step();
     }
     progress.finish();
-    umdev_side.stop();
+    stop_umdev(umdev_side);
     let _ = vfio_thread.join();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 
-    let report = PairReport {
-        schema: PAIR_SCHEMA,
-        bench: "wire",
-        command: std::env::args().collect(),
+    let report = PairReport::new(
+        "wire",
         plan,
-        machine: machine::collect(),
         rows,
-        unavailable: Vec::new(),
-        notes: vec![
+        vec![
             "both servers serve the same trivial device (4 KiB BAR0 registers) in this \
              process; clients are vfio_user::Client, posted writes use umdev's embedded VMM"
                 .into(),
             "ratio = umdev / vfio_user::Server time (< 1: umdev is faster)".into(),
         ],
-        elapsed_s: started.elapsed().as_secs_f64(),
-    };
-    if !args.out.quiet {
-        println!("umdev bench wire — {}", report.machine.summary());
-    }
-    print!("{}", pair_table(&report, false));
-    if let Some(path) = &args.out.json {
-        write_json(path, &report)?;
-        println!("JSON: {}", path.display());
-    }
+        started,
+    );
+    print_report(
+        "wire",
+        &args.run.out,
+        &report.machine,
+        &pair_table(&report, false),
+        &report,
+    )?;
     println!("{:.1} s", report.elapsed_s);
     Ok(())
 }
@@ -261,18 +226,4 @@ fn posted_batch(c: &mut Vmm) -> Io {
     }
     let mut fence = [0u8; 4];
     c.read_bytes(0, 0, &mut fence)
-}
-
-/// A fresh private directory for the sockets.
-fn tempfile_dir() -> Result<PathBuf, BoxError> {
-    let base = std::env::temp_dir();
-    for i in 0..100u32 {
-        let p = base.join(format!("umdev-bench-wire-{}-{i}", std::process::id()));
-        match std::fs::create_dir(&p) {
-            Ok(()) => return Ok(p),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err("cannot create a socket directory".into())
 }

@@ -192,7 +192,7 @@ mod tests {
         assert_eq!(a.ns_per_iter.len(), 4);
         assert_eq!(b.ns_per_iter.len(), 4);
         assert!(a.iters_per_sample > b.iters_per_sample);
-        let med = |v: &[f64]| crate::bench::stats::summarize(v).median;
+        let med = |v: &[f64]| crate::stats::summarize(v).median;
         assert!(med(&b.ns_per_iter) > 10.0 * med(&a.ns_per_iter));
     }
 

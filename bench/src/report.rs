@@ -3,16 +3,17 @@
 use std::io::Write;
 use std::path::Path;
 
-use super::machine::MachineInfo;
+use super::machine::{self, MachineInfo};
 use super::sampler::{SamplePlan, VariantSamples};
 use super::stats::{summarize, Summary};
 use super::table::{fmt_ns, Table};
+use super::OutputArgs;
 
 /// Version tag of the JSON layout.
 pub const PIN_SCHEMA: &str = "umdev-bench-pin/1";
 
 /// One variant (coalesced or per-page) of one cell.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct VariantResult {
     /// Iterations timed together per sample (one iteration pins and unpins every array).
     pub iters_per_sample: u64,
@@ -45,12 +46,12 @@ impl VariantResult {
 }
 
 /// One measured combination of backing × policy × pattern × size.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PinCell {
     /// Page backing name.
-    pub backing: &'static str,
+    pub backing: String,
     /// Pin policy name.
-    pub policy: &'static str,
+    pub policy: String,
     /// Pattern name (`trace:NAME` for a replayed trace).
     pub pattern: String,
     /// Array size (for a trace: the size bucket, arrays of length ≤ size and > the next
@@ -150,6 +151,27 @@ pub struct PinReport {
     pub elapsed_s: f64,
 }
 
+/// Print a finished run the way every bench does: a header naming the bench and the machine
+/// (unless `--quiet`), the table, and the `--json` file written. The caller adds its own
+/// lines (the plot) and then the elapsed time.
+pub fn print_report(
+    bench: &str,
+    out: &OutputArgs,
+    machine: &MachineInfo,
+    table: &str,
+    report: &impl serde::Serialize,
+) -> std::io::Result<()> {
+    if !out.quiet {
+        println!("umdev bench {bench} — {}", machine.summary());
+    }
+    print!("{table}");
+    if let Some(path) = &out.json {
+        write_json(path, report)?;
+        println!("JSON: {}", path.display());
+    }
+    Ok(())
+}
+
 /// Write any report as pretty JSON to `path`.
 pub fn write_json(path: &Path, report: &impl serde::Serialize) -> std::io::Result<()> {
     let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
@@ -187,8 +209,9 @@ pub fn pin_table(report: &PinReport) -> String {
     let mut out = String::new();
     let mut blocks: Vec<(&str, &str)> = Vec::new();
     for c in &report.cells {
-        if !blocks.contains(&(c.backing, c.policy)) {
-            blocks.push((c.backing, c.policy));
+        let block = (c.backing.as_str(), c.policy.as_str());
+        if !blocks.contains(&block) {
+            blocks.push(block);
         }
     }
     for (backing, policy) in blocks {
@@ -375,6 +398,30 @@ pub struct PairReport {
     pub notes: Vec<String>,
     /// Wall time of the run in seconds.
     pub elapsed_s: f64,
+}
+
+impl PairReport {
+    /// The report of `bench` (`dma` or `wire`) started at `started`: its rows, what each
+    /// side means, the machine and the command line.
+    pub fn new(
+        bench: &'static str,
+        plan: SamplePlan,
+        rows: Vec<PairRow>,
+        notes: Vec<String>,
+        started: std::time::Instant,
+    ) -> PairReport {
+        PairReport {
+            schema: PAIR_SCHEMA,
+            bench,
+            command: std::env::args().collect(),
+            plan,
+            machine: machine::collect(),
+            rows,
+            unavailable: Vec::new(),
+            notes,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        }
+    }
 }
 
 /// A byte count as `8 B`, `4 KiB`, `16 MiB`, `1 GiB`.

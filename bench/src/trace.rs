@@ -222,7 +222,7 @@ pub fn compact(entries: &[TraceEntry], base_pfn: u64) -> (Vec<TraceEntry>, u64) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::patterns::runs;
+    use crate::patterns::runs;
 
     #[test]
     fn test_trace_recorder_writes_lines_parse_trace_reads_them() {

@@ -4,7 +4,7 @@
 //! process shows up as an outlier that a median ignores and the spread reports.
 
 /// Summary of samples (all values in the samples' unit, e.g. ns/page).
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Summary {
     /// Number of samples.
     pub n: usize,
