@@ -75,17 +75,11 @@ impl CcwVm {
     }
 
     fn reg(&mut self, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.client
-            .region_read(region_index::BAR0, off, &mut b)
-            .unwrap();
-        u32::from_le_bytes(b)
+        independent::bar0_read32(&mut self.client, off)
     }
 
     fn set_reg(&mut self, off: u64, v: u32) {
-        self.client
-            .region_write(region_index::BAR0, off, &v.to_le_bytes())
-            .unwrap();
+        independent::bar0_write32(&mut self.client, off, v)
     }
 
     /// START the operation block at OPB and wait until it completed; returns IRQ_STATUS

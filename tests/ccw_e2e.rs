@@ -36,9 +36,8 @@ const DATA: u64 = RAM + 0x10000;
 const BLOCKS: u64 = 8192;
 const PAGE: u64 = 4096;
 const MSI_CAP_ID: u8 = 0x05;
-const CONFIG: u32 = 7;
-const BAR0: u32 = 0;
-const MSI_INDEX: u32 = 1;
+const CONFIG: u32 = umdev::device::region_index::CONFIG;
+const MSI_INDEX: u32 = umdev::device::irq_index::MSI;
 
 struct Rng(u64);
 
@@ -127,15 +126,11 @@ impl Session {
     }
 
     fn reg(&mut self, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        self.client.region_read(BAR0, off, &mut b).unwrap();
-        u32::from_le_bytes(b)
+        independent::bar0_read32(&mut self.client, off)
     }
 
     fn set_reg(&mut self, off: u64, v: u32) {
-        self.client
-            .region_write(BAR0, off, &v.to_le_bytes())
-            .unwrap();
+        independent::bar0_write32(&mut self.client, off, v)
     }
 
     fn wait_msi(&self) -> bool {

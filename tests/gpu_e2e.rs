@@ -29,8 +29,8 @@ const SURF_SIZE: u64 = 0x30_0000;
 const RING_SIZE: u32 = 64 * 1024;
 const W: u32 = 640;
 const H: u32 = 480;
-const CONFIG_REGION: u32 = 7;
-const IRQ_MSIX: u32 = 2;
+const CONFIG_REGION: u32 = umdev::device::region_index::CONFIG;
+const IRQ_MSIX: u32 = umdev::device::irq_index::MSIX;
 
 /// Dropped in field order: the server stops first, with the client still connected.
 struct Setup {

@@ -38,6 +38,20 @@ pub fn client_map(
     assert_eq!(dma.stats().maps, before + 1, "DMA_MAP {iova:#x} refused");
 }
 
+/// Read the 32-bit BAR0 register at `off` through the client.
+pub fn bar0_read32(client: &mut vfio_user::Client, off: u64) -> u32 {
+    let mut b = [0u8; 4];
+    client.region_read(region_index::BAR0, off, &mut b).unwrap();
+    u32::from_le_bytes(b)
+}
+
+/// Write the 32-bit BAR0 register at `off` through the client.
+pub fn bar0_write32(client: &mut vfio_user::Client, off: u64, v: u32) {
+    client
+        .region_write(region_index::BAR0, off, &v.to_le_bytes())
+        .unwrap();
+}
+
 /// Walk the capability list through the client; the config offset of capability `id`.
 pub fn find_capability(client: &mut vfio_user::Client, id: u8) -> Option<u64> {
     let mut b = [0u8; 1];
