@@ -54,6 +54,7 @@
 //! - [`pci`]: PCI config space, BAR sizing, capability list, MSI/MSI-X; the `PciDevice` trait.
 //! - [`irq`]: eventfd triggering and masking.
 //! - [`instance`]: parents, types and instances (the mdev model), above `server`.
+//! - [`migration`]: live migration: device states, what a device does to migrate, state encoding.
 //!
 //! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
 //! temp-dir socket and drive it with an embedded VMM (see its module documentation).
@@ -68,6 +69,7 @@ pub mod dma;
 pub mod guide {}
 pub mod instance;
 pub mod irq;
+pub mod migration;
 pub mod pci;
 pub mod protocol;
 pub mod server;

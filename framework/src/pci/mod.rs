@@ -166,4 +166,10 @@ pub trait PciDevice: Send {
 
     /// The client went away; device state is kept.
     fn disconnected(&mut self) {}
+
+    /// The device's live-migration support, if it has any (`None`: the device does not
+    /// migrate, and umdev does not offer migration for it).
+    fn migration(&mut self) -> Option<&mut dyn crate::migration::Migrate> {
+        None
+    }
 }
