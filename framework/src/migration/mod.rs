@@ -11,6 +11,20 @@
 //! with [`decode_state`]: a serde value in postcard's encoding behind a small header that
 //! names the format and its version, so that a stream from another umdev is either read
 //! (a version the device still understands) or refused with a clear error, never misread.
+//!
+//! Files: [`arcs`] (the legal arcs and the shortest path a SET takes, checked against the
+//! kernel's table), [`machine`] (the per-connection state machine: which [`Migrate`] call
+//! each arc makes, the data sessions, ERROR), [`stream`] (the framed data stream of
+//! MIG_DATA_READ/WRITE: start frame, PRE_COPY frames, the state, end; CRC-checked), this
+//! file (the states, the trait, the versioned encoding). The wire side is in
+//! `protocol::feature`, the dispatch in `server`, the framework's own PCI state in
+//! `pci/migration.rs`; `protocol-docs/migration.md` describes it all for a VMM.
+
+pub mod arcs;
+pub mod machine;
+pub mod stream;
+
+pub use machine::{Machine, MachineError, Quiesce};
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 

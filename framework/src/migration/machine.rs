@@ -1,0 +1,361 @@
+//! The migration state machine of one connection: the device state, the data transfer
+//! session, and the calls into the device's [`Migrate`] on each arc.
+//!
+//! **Arcs** ([`super::arcs`] has the table): a SET walks the shortest legal path one arc at a
+//! time, the way the kernel's drivers loop on `vfio_mig_get_next_state`; each arc is one
+//! step of [`Machine::step`]:
+//!
+//! - RUNNING → STOP, PRE_COPY → STOP_COPY: [`Migrate::stop`], preceded by
+//!   [`Quiesce::Stopping`] (the server cancels and refuses server→client requests from then
+//!   on: a device thread blocked on the client cannot delay the stop, and no request reaches
+//!   the client while the device is stopped).
+//! - STOP → RUNNING: [`Quiesce::Running`] (requests allowed again), then
+//!   [`Migrate::resume`].
+//! - STOP → STOP_COPY and PRE_COPY → STOP_COPY: [`Migrate::save`], framed after whatever
+//!   the session already holds: the reads that follow drain it, and a short read means the
+//!   end of the stream.
+//! - RUNNING → PRE_COPY: a saving session starts (the stream's `Start` frame); each read
+//!   that finds the session drained takes the next [`Migrate::precopy`] chunk.
+//! - STOP_COPY → STOP, PRE_COPY → RUNNING: the saving session ends (unread data is
+//!   dropped).
+//! - STOP → RESUMING: a resuming session starts ([`StreamReader`]); writes feed it.
+//! - RESUMING → STOP: the stream must be whole; [`Migrate::load`] of its state.
+//!
+//! **Invariants.**
+//! - `state` changes only by a successful arc, by [`Machine::reset`], or to ERROR.
+//! - A target that is not reachable (ERROR, a P2P state, PRE_COPY without support,
+//!   STOP_COPY → PRE_COPY, anything from ERROR) is refused before any arc runs: the state is
+//!   unchanged.
+//! - An arc whose device call fails puts the machine in ERROR (as the kernel's drivers do
+//!   when they cannot restore a valid state); the session is dropped. Only a reset leaves
+//!   ERROR ([`Machine::reset`] after the device's reset).
+//! - `device_stopped` is true from a successful [`Migrate::stop`] until a successful
+//!   [`Migrate::resume`]: it, not `state`, says whether the device must be resumed (after a
+//!   reset or a disconnect from ERROR, say).
+//! - A saving session exists exactly in PRE_COPY and STOP_COPY, a resuming one exactly in
+//!   RESUMING; data reads and writes in any other state are refused.
+
+use super::arcs::{self, ArcError};
+use super::stream::{self, StreamReader};
+use super::{MigState, Migrate, MigrationCaps, MigrationError};
+
+/// What the machine tells its owner around stopping and running the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quiesce {
+    /// The device is about to be stopped: refuse server→client requests from now on.
+    Stopping,
+    /// The device is about to run again: server→client requests are allowed.
+    Running,
+}
+
+/// Why a migration request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// The requested state cannot be reached (the state is unchanged).
+    #[error("cannot go from {from:?} to {to:?}")]
+    Arc {
+        /// The state the device is in.
+        from: MigState,
+        /// The requested state.
+        to: MigState,
+        /// Why.
+        #[source]
+        source: ArcError,
+    },
+    /// An arc's device call failed; the device is now in ERROR.
+    #[error("the arc {from:?} -> {to:?} failed; the device is in ERROR until reset")]
+    ArcFailed {
+        /// Start of the failed arc.
+        from: MigState,
+        /// End of the failed arc.
+        to: MigState,
+        /// The device's error.
+        #[source]
+        source: MigrationError,
+    },
+    /// MIG_DATA_READ/WRITE in a state without the matching session.
+    #[error("migration data {what} in state {state:?}")]
+    NoSession {
+        /// "read" or "write".
+        what: &'static str,
+        /// The current state.
+        state: MigState,
+    },
+    /// The data written is not a stream this umdev can load (the session stays refused).
+    #[error("migration data refused")]
+    Stream(#[source] MigrationError),
+    /// Producing data to read failed (the read fails; the state is unchanged).
+    #[error("producing migration data failed")]
+    Produce(#[source] MigrationError),
+}
+
+/// A saving session: the bytes produced and not read yet.
+#[derive(Debug, Default)]
+struct Saving {
+    buf: Vec<u8>,
+    pos: usize,
+    /// The client saw the end of the data produced so far (a short read); in PRE_COPY the
+    /// next read asks the device for more.
+    may_refill: bool,
+    /// STOP_COPY's state is framed: after it, the stream has ended for good.
+    final_state: bool,
+}
+
+impl Saving {
+    fn left(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    /// Append `more` after the unread bytes (the consumed prefix is dropped).
+    fn append(&mut self, more: Vec<u8>) {
+        self.buf.drain(..self.pos);
+        self.pos = 0;
+        if self.buf.is_empty() {
+            self.buf = more;
+        } else {
+            self.buf.extend_from_slice(&more);
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Session {
+    None,
+    Saving(Saving),
+    Resuming(StreamReader),
+}
+
+/// Counters of one machine (for logs and tests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MachineStats {
+    /// Bytes handed out by reads, over all sessions.
+    pub bytes_read: u64,
+    /// Bytes taken by writes, over all sessions.
+    pub bytes_written: u64,
+    /// PRE_COPY chunks produced.
+    pub precopy_chunks: u64,
+}
+
+/// The state machine of one connection (see the module doc).
+#[derive(Debug)]
+pub struct Machine {
+    caps: MigrationCaps,
+    state: MigState,
+    device_stopped: bool,
+    session: Session,
+    stats: MachineStats,
+}
+
+impl Machine {
+    /// A machine for a device with `caps`, RUNNING.
+    pub fn new(caps: MigrationCaps) -> Machine {
+        Machine {
+            caps,
+            state: MigState::Running,
+            device_stopped: false,
+            session: Session::None,
+            stats: MachineStats::default(),
+        }
+    }
+
+    /// The device's optional features.
+    pub fn caps(&self) -> MigrationCaps {
+        self.caps
+    }
+
+    /// The current state.
+    pub fn state(&self) -> MigState {
+        self.state
+    }
+
+    /// True if the device was stopped and not resumed since.
+    pub fn device_stopped(&self) -> bool {
+        self.device_stopped
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> MachineStats {
+        self.stats
+    }
+
+    /// Walk to `target`, arc by arc. The path is checked before the first arc runs, so an
+    /// unreachable target changes nothing; a failing arc leaves the machine in ERROR.
+    pub fn set_state(
+        &mut self,
+        target: MigState,
+        dev: &mut dyn Migrate,
+        quiesce: &mut dyn FnMut(Quiesce),
+    ) -> Result<(), MachineError> {
+        let from = self.state;
+        let path = arcs::path(from, target, self.caps).map_err(|source| MachineError::Arc {
+            from,
+            to: target,
+            source,
+        })?;
+        for next in path {
+            let cur = self.state;
+            if let Err(source) = self.step(next, dev, quiesce) {
+                tracing::warn!(from = ?cur, to = ?next, error = %source, "migration arc failed; device state ERROR");
+                self.state = MigState::Error;
+                self.session = Session::None;
+                return Err(MachineError::ArcFailed {
+                    from: cur,
+                    to: next,
+                    source,
+                });
+            }
+            tracing::debug!(from = ?cur, to = ?next, "migration arc");
+            self.state = next;
+        }
+        Ok(())
+    }
+
+    /// One direct arc from the current state to `next`.
+    fn step(
+        &mut self,
+        next: MigState,
+        dev: &mut dyn Migrate,
+        quiesce: &mut dyn FnMut(Quiesce),
+    ) -> Result<(), MigrationError> {
+        use MigState::*;
+        match (self.state, next) {
+            (Running, Stop) => self.stop(dev, quiesce),
+            (Stop, Running) => {
+                quiesce(Quiesce::Running);
+                dev.resume().inspect_err(|_| quiesce(Quiesce::Stopping))?;
+                self.device_stopped = false;
+                Ok(())
+            }
+            (Stop, StopCopy) => {
+                let mut s = Saving::default();
+                let mut buf = Vec::new();
+                stream::write_start(&mut buf)?;
+                s.append(buf);
+                self.save_final(&mut s, dev)?;
+                self.session = Session::Saving(s);
+                Ok(())
+            }
+            (PreCopy, StopCopy) => {
+                self.stop(dev, quiesce)?;
+                let Session::Saving(mut s) = std::mem::replace(&mut self.session, Session::None)
+                else {
+                    return Err(MigrationError::Device("PRE_COPY without a session".into()));
+                };
+                self.save_final(&mut s, dev)?;
+                self.session = Session::Saving(s);
+                Ok(())
+            }
+            (StopCopy, Stop) | (PreCopy, Running) => {
+                self.session = Session::None;
+                Ok(())
+            }
+            (Running, PreCopy) => {
+                let mut buf = Vec::new();
+                stream::write_start(&mut buf)?;
+                let mut s = Saving {
+                    may_refill: true,
+                    ..Saving::default()
+                };
+                s.append(buf);
+                self.session = Session::Saving(s);
+                Ok(())
+            }
+            (Stop, Resuming) => {
+                self.session = Session::Resuming(StreamReader::new());
+                Ok(())
+            }
+            (Resuming, Stop) => {
+                let Session::Resuming(mut r) = std::mem::replace(&mut self.session, Session::None)
+                else {
+                    return Err(MigrationError::Device("RESUMING without a session".into()));
+                };
+                let state = r.finish()?;
+                dev.load(&state)
+            }
+            (from, to) => Err(MigrationError::Device(format!(
+                "no arc {from:?} -> {to:?} (a framework bug)"
+            ))),
+        }
+    }
+
+    fn stop(
+        &mut self,
+        dev: &mut dyn Migrate,
+        quiesce: &mut dyn FnMut(Quiesce),
+    ) -> Result<(), MigrationError> {
+        quiesce(Quiesce::Stopping);
+        dev.stop()?;
+        self.device_stopped = true;
+        Ok(())
+    }
+
+    fn save_final(&mut self, s: &mut Saving, dev: &mut dyn Migrate) -> Result<(), MigrationError> {
+        let state = dev.save()?;
+        let mut buf = Vec::with_capacity(state.len() + 32);
+        stream::write_state_and_end(&state, &mut buf)?;
+        s.append(buf);
+        s.final_state = true;
+        Ok(())
+    }
+
+    /// MIG_DATA_READ of up to `size` bytes (fewer means: no more data for now in PRE_COPY,
+    /// the end of the stream in STOP_COPY).
+    pub fn read(&mut self, size: usize, dev: &mut dyn Migrate) -> Result<Vec<u8>, MachineError> {
+        let state = self.state;
+        let Session::Saving(s) = &mut self.session else {
+            return Err(MachineError::NoSession { what: "read", state });
+        };
+        if s.left() == 0 && !s.final_state {
+            if !s.may_refill {
+                // The previous read ended exactly at the end of a chunk: this empty read is
+                // the client's "no more data for now"; the next one asks the device.
+                s.may_refill = true;
+                return Ok(Vec::new());
+            }
+            match dev.precopy().map_err(MachineError::Produce)? {
+                Some(chunk) => {
+                    let mut buf = Vec::with_capacity(chunk.len() + 16);
+                    stream::write_precopy(&chunk, &mut buf).map_err(MachineError::Produce)?;
+                    s.append(buf);
+                    self.stats.precopy_chunks += 1;
+                }
+                None => return Ok(Vec::new()),
+            }
+        }
+        let n = size.min(s.left());
+        let out = s.buf[s.pos..s.pos + n].to_vec();
+        s.pos += n;
+        if s.left() == 0 {
+            s.may_refill = n < size;
+        }
+        self.stats.bytes_read += n as u64;
+        Ok(out)
+    }
+
+    /// MIG_DATA_WRITE of `data` (the next bytes of the stream).
+    pub fn write(&mut self, data: &[u8], dev: &mut dyn Migrate) -> Result<(), MachineError> {
+        let state = self.state;
+        let Session::Resuming(r) = &mut self.session else {
+            return Err(MachineError::NoSession {
+                what: "write",
+                state,
+            });
+        };
+        self.stats.bytes_written += data.len() as u64;
+        r.feed(data, dev).map_err(MachineError::Stream)
+    }
+
+    /// The device was reset (DEVICE_RESET): back to RUNNING with no session. The caller
+    /// resumes the device first if [`Machine::device_stopped`] (then `resumed` is true).
+    pub fn reset(&mut self, resumed: bool) {
+        if resumed {
+            self.device_stopped = false;
+        }
+        self.state = if self.device_stopped {
+            MigState::Error
+        } else {
+            MigState::Running
+        };
+        self.session = Session::None;
+    }
+}
