@@ -231,6 +231,16 @@ pub trait Device: Send {
     fn request_release(&mut self) -> bool {
         false
     }
+
+    /// The device's live migration, if it migrates: the server drives the migration state
+    /// machine (DEVICE_FEATURE MIGRATION / MIG_DEVICE_STATE, MIG_DATA_READ/WRITE) through it,
+    /// under the same lock as every other call. Default `None`: the features answer ENOTSUP
+    /// and VERSION offers no `migration`. [`crate::pci::PciAdapter`] returns itself when its
+    /// [`crate::pci::PciDevice::migration`] is `Some`: the framework's PCI state plus the
+    /// device's own.
+    fn migration(&mut self) -> Option<&mut dyn crate::migration::Migrate> {
+        None
+    }
 }
 
 impl<T: Device + ?Sized> Device for Box<T> {
@@ -265,6 +275,9 @@ impl<T: Device + ?Sized> Device for Box<T> {
     }
     fn request_release(&mut self) -> bool {
         (**self).request_release()
+    }
+    fn migration(&mut self) -> Option<&mut dyn crate::migration::Migrate> {
+        (**self).migration()
     }
 }
 

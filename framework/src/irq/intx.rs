@@ -103,6 +103,22 @@ impl IntxState {
         self.masked.store(false, SeqCst);
     }
 
+    /// The line level for migration: a trigger pending, or fired and not yet unmasked.
+    pub(crate) fn level(&self) -> bool {
+        self.status()
+    }
+
+    /// Replace the state with a migrated one, firing nothing: an asserted line comes back
+    /// pending and unmasked, so the destination delivers it once (on the next unmask,
+    /// eventfd attach, enable or [`IntxState::retry`]), as a level line that is still
+    /// asserted would be.
+    pub(crate) fn restore(&self, disabled: bool, level: bool) {
+        self.disabled.store(disabled, SeqCst);
+        self.asserted.store(false, SeqCst);
+        self.masked.store(false, SeqCst);
+        self.pending.store(level, SeqCst);
+    }
+
     /// Back to the power-on state (enabled, unmasked, nothing pending).
     pub(crate) fn reset(&self) {
         self.disabled.store(false, SeqCst);

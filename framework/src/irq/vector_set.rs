@@ -178,6 +178,30 @@ impl VectorSet {
         }
     }
 
+    /// The guest mask and pending bitmaps, one u64 per 64 vectors (for migration).
+    pub(crate) fn snapshot(&self) -> (Vec<u64>, Vec<u64>) {
+        let words = |m: &[AtomicU64]| m.iter().map(|w| w.load(SeqCst)).collect();
+        (words(&self.guest_mask), words(&self.pending))
+    }
+
+    /// Replace the whole state with a migrated one, sending nothing (the device is stopped):
+    /// a pending vector is delivered by the next unmask or trigger. Bits past the count are
+    /// dropped; `guest` and `pending` hold at most one word per 64 vectors (missing words
+    /// read as 0). Client masks are the destination client's own and stay.
+    pub(crate) fn restore(&self, enabled: u32, group_mask: bool, guest: &[u64], pending: &[u64]) {
+        self.enabled.store(enabled.min(self.count), SeqCst);
+        self.group_mask.store(group_mask, SeqCst);
+        for (w, (g, p)) in self.guest_mask.iter().zip(self.pending.iter()).enumerate() {
+            let first = w as u32 * 64;
+            let valid = match self.count - first {
+                n if n >= 64 => u64::MAX,
+                n => (1u64 << n) - 1,
+            };
+            g.store(guest.get(w).copied().unwrap_or(0) & valid, SeqCst);
+            p.store(pending.get(w).copied().unwrap_or(0) & valid, SeqCst);
+        }
+    }
+
     /// If `vector` is unmasked, enabled and pending, take the pending bit and send it.
     fn flush(&self, vector: u32, send: impl Fn(u32) -> bool) -> bool {
         if vector >= self.enabled() || self.is_masked(vector) {

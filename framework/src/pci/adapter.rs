@@ -25,6 +25,9 @@ use crate::device::{
 use crate::dma::{DmaHandle, DmaSpace};
 use crate::irq::state::IrqState;
 use crate::irq::Interrupts;
+use crate::migration::{Migrate, MigrationCaps};
+
+mod migration;
 
 /// One declared BAR and the framework-emulated ranges inside it.
 #[derive(Debug)]
@@ -45,6 +48,9 @@ pub struct PciAdapter<D: PciDevice> {
     /// The DMA space the device got at attach; its Bus Master switch follows the command
     /// register.
     dma: Option<Arc<DmaSpace>>,
+    /// What the device's [`PciDevice::migration`] offered when the adapter was built
+    /// (`None`: the device does not migrate).
+    mig_caps: Option<MigrationCaps>,
 }
 
 impl<D: PciDevice> std::fmt::Debug for PciAdapter<D> {
@@ -63,6 +69,7 @@ enum BmeCause {
     Attach,
     ConfigWrite,
     Reset,
+    Migration,
 }
 
 fn invalid(msg: String) -> DeviceError {
@@ -72,8 +79,9 @@ fn invalid(msg: String) -> DeviceError {
 
 impl<D: PciDevice> PciAdapter<D> {
     /// Wrap a device; validates its [`PciConfig`] (BAR sizes and slots, MSI-X placement).
-    pub fn new(dev: D) -> Result<PciAdapter<D>, DeviceError> {
+    pub fn new(mut dev: D) -> Result<PciAdapter<D>, DeviceError> {
         let config = dev.config();
+        let mig_caps = dev.migration().map(|m| m.caps());
         validate(&config)?;
         let (space, caps) = header::build(&config);
         let mut bars: [Option<Bar>; 6] = Default::default();
@@ -110,6 +118,7 @@ impl<D: PciDevice> PciAdapter<D> {
             bars,
             irq,
             dma: None,
+            mig_caps,
         })
     }
 
@@ -382,6 +391,16 @@ impl<D: PciDevice> Device for PciAdapter<D> {
     fn disconnected(&mut self) {
         self.irq.disconnect();
         self.dev.disconnected();
+    }
+
+    /// The adapter itself when the device migrates: its [`Migrate`] saves and loads the
+    /// framework's PCI state around the device's own (`adapter/migration.rs`).
+    fn migration(&mut self) -> Option<&mut dyn Migrate> {
+        if self.mig_caps.is_some() && self.dev.migration().is_some() {
+            Some(self)
+        } else {
+            None
+        }
     }
 
     /// Signals the request IRQ (index 4) through [`Interrupts::trigger_request`].

@@ -114,6 +114,42 @@ impl ConfigSpace {
         self.bytes = self.defaults;
     }
 
+    /// The whole space as it is now (for migration).
+    pub(crate) fn bytes(&self) -> [u8; CONFIG_SIZE] {
+        self.bytes
+    }
+
+    /// Take migrated `saved` bytes, after checking that they come from a function of the
+    /// same layout: every bit the guest cannot write (not in the write or W1C masks) must
+    /// equal this function's reset value, except in the `computed` ranges (offset, length)
+    /// whose values the adapter stores itself. On error nothing changes.
+    pub(crate) fn restore(
+        &mut self,
+        saved: &[u8],
+        computed: &[(usize, usize)],
+    ) -> Result<(), String> {
+        let saved: [u8; CONFIG_SIZE] = saved.try_into().map_err(|_| {
+            format!(
+                "config space of {} bytes, this function has {CONFIG_SIZE}",
+                saved.len()
+            )
+        })?;
+        for (i, &b) in saved.iter().enumerate() {
+            if computed.iter().any(|&(o, l)| (o..o + l).contains(&i)) {
+                continue;
+            }
+            let fixed = !(self.wmask[i] | self.w1c[i]);
+            if (b ^ self.defaults[i]) & fixed != 0 {
+                return Err(format!(
+                    "config byte {i:#04x} is {b:#04x}, this function's read-only bits say {:#04x} (another device or layout)",
+                    self.defaults[i]
+                ));
+            }
+        }
+        self.bytes = saved;
+        Ok(())
+    }
+
     /// Guest read of `data.len()` bytes at `offset`.
     pub(crate) fn read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         let range = Self::range(offset, data.len())?;

@@ -85,6 +85,11 @@ impl MsiCap {
         cs.u32(self.offset + MASK)
     }
 
+    /// The computed pending register (offset, length), which migration does not compare.
+    pub(crate) fn pending_range(&self) -> (usize, usize) {
+        (self.offset + PENDING, 4)
+    }
+
     /// Store the computed pending bits before a guest read.
     pub(crate) fn set_pending_bits(&self, cs: &mut ConfigSpace, bits: u32) {
         cs.set_u32_raw(self.offset + PENDING, bits);

@@ -97,6 +97,26 @@ impl MsixTable {
         self.entries.iter_mut().for_each(|e| *e = [0; 3]);
     }
 
+    /// Address low, address high and data of every vector (for migration).
+    pub(crate) fn entries(&self) -> &[[u32; 3]] {
+        &self.entries
+    }
+
+    /// Replace every entry with migrated ones; `entries` must have one per vector.
+    pub(crate) fn restore(&mut self, entries: &[[u32; 3]]) -> Result<(), String> {
+        if entries.len() != self.entries.len() {
+            return Err(format!(
+                "MSI-X table of {} vectors, this function has {}",
+                entries.len(),
+                self.entries.len()
+            ));
+        }
+        for (e, s) in self.entries.iter_mut().zip(entries) {
+            *e = [s[0] & !0x3, s[1], s[2]];
+        }
+        Ok(())
+    }
+
     fn dword(&self, irq: &IrqState, index: u64) -> u32 {
         let vector = index / 4;
         let Some(entry) = usize::try_from(vector)

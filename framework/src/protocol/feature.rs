@@ -1,16 +1,21 @@
-//! DEVICE_FEATURE (DMA logging start/stop/report; everything else ENOTSUP) and
-//! MIG_DATA_READ/WRITE (ENOTSUP until migration exists).
+//! DEVICE_FEATURE: DMA logging start/stop/report, and the migration features MIGRATION and
+//! MIG_DEVICE_STATE (their payloads are in [`super::migration`]); everything else ENOTSUP.
+//! Whether the device migrates is the server's to say: a migration feature of a device
+//! without migration is answered ENOTSUP there, not here.
 
 use vfio_bindings::bindings::vfio::{
     vfio_device_feature, vfio_device_feature_dma_logging_control,
     vfio_device_feature_dma_logging_range, vfio_device_feature_dma_logging_report,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
+    VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE,
     VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
 };
 
+use super::migration::{check_argsz, check_get_data, decode_set_state};
 use super::wire::{Put, Reader};
 use super::ProtocolError;
+use crate::migration::MigState;
 
 /// Size of the DEVICE_FEATURE fixed part (argsz, flags): `struct vfio_device_feature`
 /// without its data.
@@ -35,6 +40,14 @@ pub const MAX_LOGGING_RANGES: u32 = 1024;
 pub enum FeatureRequest {
     /// PROBE of a supported feature/operation: the reply echoes the request payload.
     Probe,
+    /// PROBE of MIGRATION or MIG_DEVICE_STATE: echoed if the device migrates, else ENOTSUP.
+    MigrationProbe,
+    /// MIGRATION GET: which migration states the device offers.
+    Migration,
+    /// MIG_DEVICE_STATE GET.
+    MigStateGet,
+    /// MIG_DEVICE_STATE SET to a state.
+    MigStateSet(MigState),
     /// DMA_LOGGING_START (SET).
     LoggingStart {
         /// Requested tracking page size.
@@ -96,7 +109,8 @@ pub fn decode_feature(
         VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP => {
             (false, true)
         }
-        VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT => (true, false),
+        VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT | VFIO_DEVICE_FEATURE_MIGRATION => (true, false),
+        VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE => (true, true),
         _ => return Err(ProtocolError::Unsupported("this device feature")),
     };
     if (get && !can_get) || (set && !can_set) {
@@ -105,10 +119,32 @@ pub fn decode_feature(
             format!("feature {feature} does not support the requested operation {ops:#x}"),
         ));
     }
+    let migration = matches!(
+        feature,
+        VFIO_DEVICE_FEATURE_MIGRATION | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE
+    );
     if probe {
-        return Ok(FeatureRequest::Probe);
+        return Ok(if migration {
+            FeatureRequest::MigrationProbe
+        } else {
+            FeatureRequest::Probe
+        });
     }
     match feature {
+        VFIO_DEVICE_FEATURE_MIGRATION => {
+            check_argsz("MIGRATION", argsz)?;
+            check_get_data("MIGRATION", r.rest())?;
+            Ok(FeatureRequest::Migration)
+        }
+        VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE => {
+            check_argsz("MIG_DEVICE_STATE", argsz)?;
+            if get {
+                check_get_data("MIG_DEVICE_STATE", r.rest())?;
+                Ok(FeatureRequest::MigStateGet)
+            } else {
+                Ok(FeatureRequest::MigStateSet(decode_set_state(r.rest())?))
+            }
+        }
         VFIO_DEVICE_FEATURE_DMA_LOGGING_START => {
             let page_size = r.u64()?;
             let num_ranges = r.u32()?;
@@ -202,29 +238,6 @@ pub fn encode_feature(argsz: u32, flags: u32, data: &[u8]) -> Vec<u8> {
     v
 }
 
-/// Validate MIG_DATA_READ (argsz, size) or MIG_DATA_WRITE (argsz, size, data); both are
-/// answered with ENOTSUP since umdev has no migration yet, but malformed ones get EINVAL.
-pub fn decode_mig_data(payload: &[u8], write: bool) -> Result<(), ProtocolError> {
-    let mut r = Reader::new(payload, "MIG_DATA");
-    let _argsz = r.u32()?;
-    let size = r.u32()?;
-    if write && r.remaining() != size as usize {
-        return Err(ProtocolError::BadPayloadSize {
-            what: "MIG_DATA_WRITE",
-            expected: 8 + size as usize,
-            got: payload.len(),
-        });
-    }
-    if !write && r.remaining() != 0 {
-        return Err(ProtocolError::BadPayloadSize {
-            what: "MIG_DATA_READ",
-            expected: 8,
-            got: payload.len(),
-        });
-    }
-    Err(ProtocolError::Unsupported("migration"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,7 +258,7 @@ mod tests {
     }
 
     #[test]
-    fn test_feature_probe_logging_ok_migration_enotsup() {
+    fn test_feature_probe_logging_and_migration_ok_others_enotsup() {
         let p = encode_feature(
             8,
             VFIO_DEVICE_FEATURE_PROBE
@@ -258,6 +271,11 @@ mod tests {
             FeatureRequest::Probe
         );
         let p = encode_feature(8, VFIO_DEVICE_FEATURE_PROBE | 1, &[]);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::MigrationProbe
+        );
+        let p = encode_feature(8, VFIO_DEVICE_FEATURE_PROBE | 3, &[]);
         assert_eq!(
             decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
             libc::ENOTSUP
@@ -312,14 +330,31 @@ mod tests {
     }
 
     #[test]
-    fn test_mig_data_is_enotsup_or_einval() {
-        let mut p = Vec::new();
-        p.put_u32(8);
-        p.put_u32(4);
+    fn test_feature_migration_get_set_sizes_and_ops() {
+        use super::super::migration::encode_mig_state_data;
+        let get = VFIO_DEVICE_FEATURE_GET;
+        let set = VFIO_DEVICE_FEATURE_SET;
+        let p = encode_feature(16, get | VFIO_DEVICE_FEATURE_MIGRATION, &[]);
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap(), FeatureRequest::Migration);
+        let p = encode_feature(15, get | VFIO_DEVICE_FEATURE_MIGRATION, &[]);
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIGRATION, &[0; 8]);
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        let p = encode_feature(16, get | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]);
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap(), FeatureRequest::MigStateGet);
+        let data = encode_mig_state_data(MigState::StopCopy as u32);
+        let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &data);
         assert_eq!(
-            decode_mig_data(&p, false).unwrap_err().errno(),
-            libc::ENOTSUP
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::MigStateSet(MigState::StopCopy)
         );
-        assert_eq!(decode_mig_data(&p, true).unwrap_err().errno(), libc::EINVAL);
+        let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &data[..4]);
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        let p = encode_feature(
+            16,
+            set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE,
+            &encode_mig_state_data(9),
+        );
+        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
     }
 }

@@ -8,8 +8,9 @@
 //! [`wire`]; region info layouts follow `vfio-bindings`.
 //!
 //! Files, one message group each: [`version`], [`dma_map`], [`device_info`], [`set_irqs`],
-//! [`region_access`], [`feature`] (DEVICE_FEATURE and MIG_DATA), [`dma_rw`] (server →
-//! client), and [`request`] which ties them into [`decode_request`].
+//! [`region_access`], [`feature`] (DEVICE_FEATURE), [`migration`] (the migration
+//! features' payloads and MIG_DATA_READ/WRITE), [`dma_rw`] (server → client), and
+//! [`request`] which ties them into [`decode_request`].
 
 mod error;
 mod header;
@@ -18,6 +19,7 @@ pub mod device_info;
 pub mod dma_map;
 pub mod dma_rw;
 pub mod feature;
+pub mod migration;
 pub mod region_access;
 pub mod request;
 pub mod set_irqs;

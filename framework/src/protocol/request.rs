@@ -4,7 +4,8 @@ use super::device_info::{
     decode_device_info, decode_irq_info, RegionInfoRequest, RegionIoFdsRequest,
 };
 use super::dma_map::{DmaMapRequest, DmaUnmapRequest};
-use super::feature::{decode_feature, decode_mig_data, FeatureRequest};
+use super::feature::{decode_feature, FeatureRequest};
+use super::migration::{decode_mig_data, MigData};
 use super::region_access::{decode_write_multi, RegionAccess, WriteOne};
 use super::set_irqs::SetIrqsRequest;
 use super::version::Version;
@@ -55,6 +56,8 @@ pub enum Request<'a> {
     DeviceReset,
     /// DEVICE_FEATURE.
     Feature(FeatureRequest),
+    /// MIG_DATA_READ or MIG_DATA_WRITE.
+    MigData(MigData<'a>),
 }
 
 fn no_fds(cmd: Command, nfds: usize) -> Result<(), ProtocolError> {
@@ -163,8 +166,11 @@ pub fn decode_request<'a>(
         )?),
         Command::MigDataRead | Command::MigDataWrite => {
             no_fds(cmd, nfds)?;
-            decode_mig_data(payload, cmd == Command::MigDataWrite)?;
-            unreachable_unsupported()?
+            Request::MigData(decode_mig_data(
+                payload,
+                cmd == Command::MigDataWrite,
+                limits.max_data_xfer_size,
+            )?)
         }
         Command::DmaRead | Command::DmaWrite => return Err(ProtocolError::WrongDirection(cmd)),
         Command::DirtyPages => {
@@ -175,10 +181,6 @@ pub fn decode_request<'a>(
     })
 }
 
-/// `decode_mig_data` always returns an error; this keeps the match total without a panic.
-fn unreachable_unsupported() -> Result<Request<'static>, ProtocolError> {
-    Err(ProtocolError::Unsupported("migration"))
-}
 
 #[cfg(test)]
 mod tests {
@@ -243,16 +245,19 @@ mod tests {
     }
 
     #[test]
-    fn test_decode_mig_and_dirty_pages_enotsup() {
+    fn test_decode_mig_data_decoded_dirty_pages_enotsup() {
         let mut p = Vec::new();
         p.extend_from_slice(&8u32.to_ne_bytes());
         p.extend_from_slice(&0u32.to_ne_bytes());
         assert_eq!(
-            decode_request(&hdr(17, 0), &p, 0, &LIMITS)
-                .unwrap_err()
-                .errno(),
-            libc::ENOTSUP
+            decode_request(&hdr(17, 0), &p, 0, &LIMITS).unwrap(),
+            Request::MigData(MigData::Read { size: 0 })
         );
+        assert_eq!(
+            decode_request(&hdr(18, 0), &p, 0, &LIMITS).unwrap(),
+            Request::MigData(MigData::Write(&[]))
+        );
+        assert!(decode_request(&hdr(18, 0), &p, 1, &LIMITS).is_err());
         assert_eq!(
             decode_request(&hdr(14, 0), &[], 0, &LIMITS)
                 .unwrap_err()
@@ -298,6 +303,20 @@ mod tests {
                     16,
                     crate::protocol::feature::encode_feature(8, (1 << 18) | 6, &[]),
                 ),
+                (
+                    16,
+                    crate::protocol::feature::encode_feature(
+                        16,
+                        (1 << 17) | 2,
+                        &crate::protocol::migration::encode_mig_state_data(3),
+                    ),
+                ),
+                (
+                    16,
+                    crate::protocol::feature::encode_feature(16, (1 << 16) | 1, &[]),
+                ),
+                (17, crate::protocol::migration::encode_mig_data_read(64)),
+                (18, crate::protocol::migration::encode_mig_data(&[9; 24])),
             ]
         }
 
@@ -326,7 +345,7 @@ mod tests {
 
             #[test]
             fn prop_decode_mutated_valid_message_never_panics(
-                which in 0usize..8,
+                which in 0usize..12,
                 pos in any::<prop::sample::Index>(),
                 byte in any::<u8>(),
                 cut in any::<prop::sample::Index>(),

@@ -16,8 +16,10 @@
 //! - `capabilities`, `twin_socket` and the top level must be JSON objects (`object`: a
 //!   derived struct alone would also take an array of its fields);
 //! - unknown keys are ignored at every level;
-//! - `migration` is accepted whatever it holds (umdev never validated it, has no
-//!   migration and never echoes it); only its `max_bitmap_size` is read, when it is a u64.
+//! - `migration` is accepted whatever it holds (umdev never validated it); only its
+//!   `pgsize` and `max_bitmap_size` are read, each when it is a u64. The reply carries a
+//!   `migration` object (umdev's `pgsize` and `max_bitmap_size`) only when the client
+//!   offered one and the device migrates ([`ServerOffer::migration`]).
 
 use std::cell::Cell;
 use std::fmt;
@@ -63,11 +65,13 @@ pub struct Capabilities {
     pub twin_socket_fd_index: Option<u32>,
     /// REGION_WRITE_MULTI is supported.
     pub write_multiple: bool,
-    /// A `migration` object was present (umdev does not support migration and never
-    /// echoes it).
+    /// A `migration` object was present (in a reply: umdev's device migrates).
     pub migration: bool,
-    /// `migration.max_bitmap_size`, which only QEMU sends (used to recognize QEMU's
-    /// DMA_READ/DMA_WRITE layout, see [`super::dma_rw::DmaRwLayout`]).
+    /// `migration.pgsize`: the dirty-page granularity.
+    pub migration_pgsize: Option<u64>,
+    /// `migration.max_bitmap_size`: the largest dirty bitmap in one reply. In a proposal
+    /// only QEMU sends it (used to recognize QEMU's DMA_READ/DMA_WRITE layout, see
+    /// [`super::dma_rw::DmaRwLayout`]).
     pub migration_max_bitmap_size: Option<u64>,
     /// Which keys were present (so a reply can stay a subset of the proposal).
     pub present: Present,
@@ -88,6 +92,8 @@ pub struct Present {
     pub twin_socket: bool,
     /// write_multiple present.
     pub write_multiple: bool,
+    /// migration present.
+    pub migration: bool,
 }
 
 impl Default for Capabilities {
@@ -101,6 +107,7 @@ impl Default for Capabilities {
             twin_socket_fd_index: None,
             write_multiple: false,
             migration: false,
+            migration_pgsize: None,
             migration_max_bitmap_size: None,
             present: Present::default(),
         }
@@ -161,8 +168,12 @@ struct CapsJson {
         deserialize_with = "key::twin_socket"
     )]
     twin_socket: Option<TwinSocketJson>,
-    /// Read (presence and `max_bitmap_size`), never written.
-    #[serde(skip_serializing, deserialize_with = "key::migration")]
+    /// Read (presence, `pgsize`, `max_bitmap_size`); written only when umdev's device
+    /// migrates and the client offered it.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "key::migration"
+    )]
     migration: Option<MigrationJson>,
 }
 
@@ -182,9 +193,12 @@ struct TwinSocketJson {
     fd_index: Option<u32>,
 }
 
-/// What umdev reads of `capabilities.migration`.
-#[derive(Debug, Default)]
+/// What umdev reads and writes of `capabilities.migration`.
+#[derive(Debug, Default, Serialize)]
 struct MigrationJson {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pgsize: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     max_bitmap_size: Option<u64>,
 }
 
@@ -216,12 +230,13 @@ mod key {
         twin_socket_fd_index: u32 = "twin_socket.fd_index" by typed;
     }
 
-    /// Anything is accepted; `max_bitmap_size` is kept when it is a u64.
+    /// Anything is accepted; `pgsize` and `max_bitmap_size` are kept when they are u64s.
     pub(super) fn migration<'de, D: Deserializer<'de>>(
         d: D,
     ) -> Result<Option<MigrationJson>, D::Error> {
         let v = Value::deserialize(d)?;
         Ok(Some(MigrationJson {
+            pgsize: v.get("pgsize").and_then(Value::as_u64),
             max_bitmap_size: v.get("max_bitmap_size").and_then(Value::as_u64),
         }))
     }
@@ -286,7 +301,8 @@ impl From<CapsJson> for Capabilities {
             twin_socket_fd_index: j.twin_socket.as_ref().and_then(|t| t.fd_index),
             write_multiple: j.write_multiple.unwrap_or(false),
             migration: j.migration.is_some(),
-            migration_max_bitmap_size: j.migration.and_then(|m| m.max_bitmap_size),
+            migration_pgsize: j.migration.as_ref().and_then(|m| m.pgsize),
+            migration_max_bitmap_size: j.migration.as_ref().and_then(|m| m.max_bitmap_size),
             present: Present {
                 max_msg_fds: j.max_msg_fds.is_some(),
                 max_data_xfer_size: j.max_data_xfer_size.is_some(),
@@ -294,6 +310,7 @@ impl From<CapsJson> for Capabilities {
                 pgsizes: j.pgsizes.is_some(),
                 twin_socket: j.twin_socket.is_some(),
                 write_multiple: j.write_multiple.is_some(),
+                migration: j.migration.is_some(),
             },
         }
     }
@@ -301,7 +318,8 @@ impl From<CapsJson> for Capabilities {
 
 impl From<&Capabilities> for CapsJson {
     /// The keys marked in `present`; twin_socket carries `fd_index` only when it is
-    /// supported and has one. `migration` is never written.
+    /// supported and has one; `migration` carries the pgsize and max_bitmap_size that
+    /// are set.
     fn from(c: &Capabilities) -> Self {
         let p = &c.present;
         let twin_socket = match c.twin_socket_fd_index {
@@ -321,7 +339,10 @@ impl From<&Capabilities> for CapsJson {
             pgsizes: p.pgsizes.then_some(c.pgsizes),
             write_multiple: p.write_multiple.then_some(c.write_multiple),
             twin_socket: p.twin_socket.then_some(twin_socket),
-            migration: None,
+            migration: p.migration.then(|| MigrationJson {
+                pgsize: c.migration_pgsize,
+                max_bitmap_size: c.migration_max_bitmap_size,
+            }),
         }
     }
 }
@@ -372,7 +393,7 @@ impl Version {
 
     /// The JSON text (no NUL) of [`Version::encode_payload`]: `{"capabilities":{...}}`
     /// with the present keys in the order max_msg_fds, max_data_xfer_size, max_dma_maps,
-    /// pgsizes, write_multiple, twin_socket.
+    /// pgsizes, write_multiple, twin_socket, migration.
     pub fn caps_json(&self) -> String {
         let json = VersionJson {
             capabilities: Some(CapsJson::from(&self.caps)),
@@ -396,6 +417,8 @@ pub struct ServerOffer {
     pub pgsize: u64,
     /// Twin-socket mode offered.
     pub twin_socket: bool,
+    /// The device migrates: a client that offers `migration` gets it back.
+    pub migration: bool,
 }
 
 /// The outcome of negotiation: the reply to send and the limits that now apply.
@@ -444,6 +467,7 @@ pub fn negotiate(
     let maps = cc.max_dma_maps.min(offer.max_dma_maps);
     let twin = offer.twin_socket && cc.twin_socket;
     let write_multiple = cc.write_multiple;
+    let migration = offer.migration && cc.migration;
     let mut caps = Capabilities {
         max_msg_fds: offer.max_msg_fds,
         max_data_xfer_size: xfer,
@@ -452,8 +476,9 @@ pub fn negotiate(
         twin_socket: twin,
         twin_socket_fd_index: twin.then_some(0),
         write_multiple,
-        migration: false,
-        migration_max_bitmap_size: None,
+        migration,
+        migration_pgsize: migration.then_some(offer.pgsize),
+        migration_max_bitmap_size: migration.then_some(u64::from(offer.max_data_xfer_size)),
         present: Present {
             max_msg_fds: cc.present.max_msg_fds,
             max_data_xfer_size: cc.present.max_data_xfer_size,
@@ -461,6 +486,7 @@ pub fn negotiate(
             pgsizes: cc.present.pgsizes,
             twin_socket: cc.present.twin_socket,
             write_multiple: cc.present.write_multiple && write_multiple,
+            migration,
         },
     };
     let mut reply = Version {
@@ -470,8 +496,10 @@ pub fn negotiate(
         caps: caps.clone(),
     };
     // Shorten the reply until it fits the client's buffer; twin_socket goes last since
-    // dropping it changes the outcome (it is then disabled).
-    let droppers: [fn(&mut Present); 5] = [
+    // dropping it changes the outcome (it is then disabled). `migration` goes first: it
+    // only informs (the migration features are probed with DEVICE_FEATURE either way).
+    let droppers: [fn(&mut Present); 6] = [
+        |p| p.migration = false,
         |p| p.write_multiple = false,
         |p| p.pgsizes = false,
         |p| p.max_dma_maps = false,
@@ -526,6 +554,7 @@ mod tests {
             max_dma_maps: 65535,
             pgsize: 4096,
             twin_socket: true,
+            migration: false,
         }
     }
 
@@ -573,7 +602,10 @@ mod tests {
         let back = Version::decode(&reply).unwrap();
         assert_eq!(back.major, 0);
         assert!(back.minor <= v.minor);
-        assert!(!back.caps.migration, "migration must not be echoed");
+        assert!(
+            !back.caps.migration,
+            "migration must not be echoed for a device that does not migrate"
+        );
         assert!(!n.reply.caps_json().contains("twin_socket"));
         assert!(n.write_multiple);
     }
@@ -741,7 +773,7 @@ mod tests {
     }
 
     #[test]
-    fn test_version_decode_migration_of_any_shape_accepted_never_echoed() {
+    fn test_version_decode_migration_of_any_shape_accepted_not_echoed_by_decode() {
         for (m, bitmap) in [
             ("null", None),
             ("5", None),
@@ -754,7 +786,12 @@ mod tests {
             let v = Version::decode(&payload(0, 0, &json)).unwrap();
             assert!(v.caps.migration, "{json}");
             assert_eq!(v.caps.migration_max_bitmap_size, bitmap, "{json}");
-            assert_eq!(v.caps_json(), "{\"capabilities\":{\"max_dma_maps\":9}}");
+            // Decoding keeps what it read; negotiate decides whether a reply carries it.
+            let m = bitmap.map_or(String::new(), |b| format!("\"max_bitmap_size\":{b}"));
+            assert_eq!(
+                v.caps_json(),
+                format!("{{\"capabilities\":{{\"max_dma_maps\":9,\"migration\":{{{m}}}}}}}")
+            );
         }
     }
 
@@ -836,7 +873,7 @@ mod tests {
                 any::<bool>(),
                 any::<bool>(),
             ),
-            any::<[bool; 6]>(),
+            any::<[bool; 7]>(),
         )
             .prop_map(|((fds, xfer, maps, pg), (twin, fd_index, wm, mig), p)| {
                 Capabilities {
@@ -847,7 +884,8 @@ mod tests {
                     twin_socket: twin,
                     twin_socket_fd_index: fd_index,
                     write_multiple: wm,
-                    migration: mig,
+                    migration: mig && p[6],
+                    migration_pgsize: mig.then_some(4096),
                     migration_max_bitmap_size: mig.then_some(1 << 28),
                     present: Present {
                         max_msg_fds: p[0],
@@ -856,6 +894,7 @@ mod tests {
                         pgsizes: p[3],
                         twin_socket: p[4],
                         write_multiple: p[5],
+                        migration: mig && p[6],
                     },
                 }
             })
@@ -889,10 +928,43 @@ mod tests {
             let twin = p.twin_socket && caps.twin_socket && caps.twin_socket_fd_index.is_some();
             prop_assert_eq!(c.twin_socket, twin);
             prop_assert_eq!(c.twin_socket_fd_index, if twin { caps.twin_socket_fd_index } else { None });
-            prop_assert!(!c.migration, "migration is never written");
+            prop_assert_eq!(c.migration, p.migration);
+            if p.migration {
+                prop_assert_eq!(c.migration_pgsize, caps.migration_pgsize);
+                prop_assert_eq!(c.migration_max_bitmap_size, caps.migration_max_bitmap_size);
+            }
             // Encoding what was decoded gives the same bytes.
             prop_assert_eq!(back.encode_payload(), bytes);
         }
+    }
+
+    #[test]
+    fn test_negotiate_migration_echoed_only_when_offered_and_the_device_migrates() {
+        let req = payload(0, 0, QEMU_CAPS);
+        let v = Version::decode(&req).unwrap();
+        let migrating = ServerOffer {
+            migration: true,
+            ..offer()
+        };
+        let n = negotiate(&v, &migrating, 16 + req.len()).unwrap();
+        let back = Version::decode(&n.reply.encode_payload()).unwrap();
+        assert!(back.caps.migration, "{}", n.reply.caps_json());
+        assert_eq!(back.caps.migration_pgsize, Some(4096));
+        assert_eq!(back.caps.migration_max_bitmap_size, Some(1 << 20));
+        assert!(16 + n.reply.encode_payload().len() <= 16 + req.len());
+        assert!(n.reply.caps_json().contains("write_multiple"), "all keys fit");
+        // Not offered by the client: not in the reply.
+        let plain = payload(0, 0, "{\"capabilities\":{\"max_msg_fds\":4}}");
+        let v = Version::decode(&plain).unwrap();
+        let n = negotiate(&v, &migrating, 400).unwrap();
+        assert!(!n.reply.caps_json().contains("migration"));
+        // Offered, device does not migrate: not in the reply.
+        let v = Version::decode(&req).unwrap();
+        let n = negotiate(&v, &offer(), 16 + req.len()).unwrap();
+        assert!(!n.reply.caps_json().contains("migration"));
+        // A reply that must shrink drops `migration` first.
+        let n = negotiate(&v, &migrating, 16 + req.len() - 60).unwrap();
+        assert!(!n.reply.caps_json().contains("migration"));
     }
 
     #[test]

@@ -73,6 +73,8 @@ impl ServerConfig {
             max_dma_maps: self.max_dma_maps.clamp(1, 65535),
             pgsize: self.pgsize,
             twin_socket: self.twin_socket,
+            // The connection sets it when its device migrates.
+            migration: false,
         }
     }
 

@@ -9,12 +9,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tracing::{debug, debug_span, error, info, warn};
 
-use super::channel::{Channel, Incoming};
+use super::channel::{Channel, Incoming, RequestHold};
 use super::error::error_chain;
 use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
 use crate::device::{Device, DeviceInfo};
 use crate::dma::DmaSpace;
+use crate::migration::Machine;
 use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{negotiate, Version};
 use crate::protocol::{decode_request, Command, Header, Limits, Request, HEADER_SIZE};
@@ -78,6 +79,10 @@ pub struct Connection {
     pub(super) info: DeviceInfo,
     /// Sum of the sizes of this client's live DMA maps.
     pub(super) mapped_bytes: u64,
+    /// The migration state machine, if the device migrates (`migration.rs`).
+    pub(super) migration: Option<Machine>,
+    /// Server→client requests refused while the device is stopped for migration.
+    pub(super) mig_hold: Option<RequestHold>,
     twin_thread: Option<JoinHandle<()>>,
 }
 
@@ -100,7 +105,11 @@ impl Connection {
             pgsize: config.pgsize,
             write_multiple: false,
         };
-        let info = lock_device(&device).info();
+        let (info, migration) = {
+            let mut dev = lock_device(&device);
+            let migration = dev.migration().map(|m| Machine::new(m.caps()));
+            (dev.info(), migration)
+        };
         Connection {
             chan,
             device,
@@ -110,6 +119,8 @@ impl Connection {
             negotiated: false,
             info,
             mapped_bytes: 0,
+            migration,
+            mig_hold: None,
             twin_thread: None,
         }
     }
@@ -214,6 +225,7 @@ impl Connection {
             Request::RegionWriteMulti(ws) => self.region_write_multi(&ws)?,
             Request::DeviceReset => self.reset()?,
             Request::Feature(f) => self.feature(f, payload)?,
+            Request::MigData(d) => self.mig_data(d)?,
         }))
     }
 
@@ -221,7 +233,9 @@ impl Connection {
         if self.negotiated {
             return Err(ServerError::BadState("VERSION was already negotiated"));
         }
-        let n = negotiate(&v, &self.config.offer(), hdr.msg_size as usize)?;
+        let mut offer = self.config.offer();
+        offer.migration = self.migration.is_some();
+        let n = negotiate(&v, &offer, hdr.msg_size as usize)?;
         self.limits.write_multiple = n.write_multiple;
         self.chan.set_max_xfer(n.max_data_xfer_size);
         let payload = n.reply.encode_payload();
@@ -281,6 +295,7 @@ impl Connection {
 
     fn teardown(mut self) {
         self.chan.close();
+        self.migration_teardown();
         if let Some(t) = self.twin_thread.take() {
             let _ = t.join();
         }

@@ -318,6 +318,9 @@ impl Connection {
         let mut dev = lock_device(&self.device);
         dev.reset().map_err(ServerError::Device)?;
         self.info = dev.info();
+        drop(dev);
+        // A device stopped for migration runs again, in RUNNING (the only way out of ERROR).
+        self.migration_after_reset()?;
         Ok(Reply::empty())
     }
 
@@ -328,6 +331,10 @@ impl Connection {
     ) -> Result<Reply, ServerError> {
         match f {
             FeatureRequest::Probe => Ok(Reply::from_payload(payload)),
+            FeatureRequest::MigrationProbe
+            | FeatureRequest::Migration
+            | FeatureRequest::MigStateGet
+            | FeatureRequest::MigStateSet(_) => self.migration_feature(f, payload),
             FeatureRequest::LoggingStart { page_size, ranges } => {
                 self.dma
                     .dirty_start(page_size, &ranges)

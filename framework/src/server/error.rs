@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use crate::device::DeviceError;
 use crate::dma::DmaError;
+use crate::migration::{MachineError, MigrationError};
 use crate::protocol::ProtocolError;
 
 /// Errors while serving: setting up the socket, or handling one message.
@@ -54,6 +55,12 @@ pub enum ServerError {
     /// The server thread panicked.
     #[error("server thread panicked")]
     Panicked,
+    /// The device does not migrate (a migration feature or MIG_DATA on such a device).
+    #[error("the device does not support migration")]
+    NoMigration,
+    /// A migration request failed (state unchanged, or ERROR if an arc failed).
+    #[error("migration")]
+    Migration(#[source] MachineError),
     /// A DMA_MAP would take the client past [`super::ServerConfig::max_dma_mapped_bytes`].
     #[error("DMA_MAP of {size:#x} bytes would exceed the mapped-bytes budget ({mapped:#x} of {max:#x} in use)")]
     DmaBudget {
@@ -79,11 +86,32 @@ impl ServerError {
             ServerError::NotASocket(_) => libc::EEXIST,
             ServerError::Panicked => libc::EIO,
             ServerError::DmaBudget { .. } => libc::ENOSPC,
+            ServerError::NoMigration => libc::ENOTSUP,
+            ServerError::Migration(e) => machine_errno(e),
         }
     }
 
     pub(crate) fn io(what: &'static str, source: io::Error) -> Self {
         ServerError::Io { what, source }
+    }
+}
+
+/// The errno of a failed migration request: a refused target, data in the wrong state or
+/// a stream that cannot be loaded is `EINVAL` (as libvfio-user and the kernel answer); a
+/// device that failed to stop, resume, save or load its own state is `EIO`.
+fn machine_errno(e: &MachineError) -> i32 {
+    let of = |m: &MigrationError| match m {
+        MigrationError::Device(_) => libc::EIO,
+        MigrationError::WrongFormat { .. }
+        | MigrationError::UnsupportedVersion { .. }
+        | MigrationError::Malformed { .. }
+        | MigrationError::Incompatible(_) => libc::EINVAL,
+    };
+    match e {
+        MachineError::Arc { .. } | MachineError::NoSession { .. } => libc::EINVAL,
+        MachineError::ArcFailed { source, .. }
+        | MachineError::Stream(source)
+        | MachineError::Produce(source) => of(source),
     }
 }
 

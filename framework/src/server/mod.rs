@@ -9,8 +9,9 @@
 //!
 //! Per connection ([`connection`]): VERSION first, then every command is decoded by
 //! [`crate::protocol`], bounds-checked against the device's regions and IRQs, and
-//! dispatched (`dispatch.rs`): DMA_MAP/UNMAP and DMA logging to the DMA space, the rest to
-//! the device. Errors go back as error replies with a fitting errno (never 0); commands
+//! dispatched (`dispatch.rs`): DMA_MAP/UNMAP and DMA logging to the DMA space, the
+//! migration messages to the connection's migration state machine (`migration.rs`), the
+//! rest to the device. Errors go back as error replies with a fitting errno (never 0); commands
 //! with No_reply get no reply at all. On disconnect all DMA maps are removed, the
 //! server→client path is uninstalled and the device drops its IRQ fds; device state stays.
 //!
@@ -28,6 +29,7 @@ pub mod connection;
 mod dispatch;
 mod error;
 pub mod listener;
+mod migration;
 mod refuse;
 pub mod remote_dma;
 mod running;

@@ -1,0 +1,329 @@
+//! The [`Migrate`] of a [`PciAdapter`]: the framework's own PCI state, saved for every
+//! migrating PCI device without its author's help, around the device's [`Migrate`].
+//!
+//! What the framework saves (format `umdev-pci`, version 1, [`PciStateV1`]):
+//! - the 256 bytes of config space: command/status, the BAR addresses the guest
+//!   programmed, interrupt line, the MSI capability (enable, MME, address, data, mask bits)
+//!   and the MSI-X control word;
+//! - the MSI-X table (address and data of each vector) and its vector-control mask bits;
+//! - the MSI and MSI-X pending bits;
+//! - the INTx line level (a trigger pending, or fired and not yet unmasked).
+//!
+//! The device's state is [`Migrate::save`] of the wrapped device. Both go into one blob
+//! (format `umdev-pci-function`, version 1, [`FunctionStateV1`]): first the PCI section,
+//! then the device's section, each a versioned [`encode_state`] of its own.
+//!
+//! Loading checks everything before changing anything: the function format and version,
+//! the PCI section's format and version, and that the PCI state fits this function (the
+//! read-only bits of config space equal this function's, the MSI-X table and bitmaps have
+//! this function's vector count). Only then does the device load its section; only if that
+//! succeeds is the PCI state applied. The PCI state is applied without sending any
+//! interrupt (the device is stopped); pending vectors and an asserted INTx line are
+//! delivered when the device resumes, or by the next unmask.
+
+use serde::{Deserialize, Serialize};
+
+use super::{BmeCause, PciAdapter};
+use crate::migration::{
+    decode_state, encode_state, Migrate, MigrationCaps, MigrationError,
+};
+use crate::pci::config_space::reg;
+use crate::pci::PciDevice;
+
+/// Format of the blob the adapter saves.
+pub const FUNCTION_FORMAT: &str = "umdev-pci-function";
+/// Its version.
+pub const FUNCTION_VERSION: u32 = 1;
+/// Format of the framework's PCI section.
+pub const PCI_FORMAT: &str = "umdev-pci";
+/// Its version.
+pub const PCI_VERSION: u32 = 1;
+
+/// The blob: the framework's PCI section, then the device's section.
+#[derive(Serialize, Deserialize)]
+struct FunctionStateV1 {
+    pci: Vec<u8>,
+    device: Vec<u8>,
+}
+
+/// The framework's PCI state.
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct PciStateV1 {
+    config: Vec<u8>,
+    msix_table: Vec<[u32; 3]>,
+    msix_guest_mask: Vec<u64>,
+    msix_pending: Vec<u64>,
+    msi_pending: u64,
+    intx_level: bool,
+}
+
+fn incompatible(why: String) -> MigrationError {
+    MigrationError::Incompatible(format!("PCI state does not fit this function: {why}"))
+}
+
+impl<D: PciDevice> PciAdapter<D> {
+    fn device_migration(&mut self) -> Result<&mut dyn Migrate, MigrationError> {
+        self.dev
+            .migration()
+            .ok_or_else(|| MigrationError::Device("the device no longer offers migration".into()))
+    }
+
+    fn pci_state(&self) -> PciStateV1 {
+        let (msix_guest_mask, msix_pending) = self.irq.msix.snapshot();
+        PciStateV1 {
+            config: self.space.bytes().to_vec(),
+            msix_table: self
+                .msix_table
+                .as_ref()
+                .map_or_else(Vec::new, |t| t.entries().to_vec()),
+            msix_guest_mask,
+            msix_pending,
+            msi_pending: self.irq.msi.snapshot().1.first().copied().unwrap_or(0),
+            intx_level: self.irq.intx.level(),
+        }
+    }
+
+    /// Config ranges whose values the adapter computes (not compared on load).
+    fn computed_ranges(&self) -> Vec<(usize, usize)> {
+        let mut r = vec![(reg::STATUS, 2)];
+        if let Some(cap) = self.caps.msi {
+            r.push(cap.pending_range());
+        }
+        r
+    }
+
+    /// Everything [`Self::apply_pci_state`] would refuse, refused without changing anything.
+    fn check_pci_state(&self, st: &PciStateV1) -> Result<(), MigrationError> {
+        let mut probe = self.space.clone();
+        probe
+            .restore(&st.config, &self.computed_ranges())
+            .map_err(incompatible)?;
+        let vectors = self.msix_table.as_ref().map_or(0, |t| t.entries().len());
+        if st.msix_table.len() != vectors {
+            return Err(incompatible(format!(
+                "MSI-X table of {} vectors, this function has {vectors}",
+                st.msix_table.len()
+            )));
+        }
+        let words = vectors.div_ceil(64);
+        if st.msix_guest_mask.len() != words || st.msix_pending.len() != words {
+            return Err(incompatible(format!(
+                "MSI-X bitmaps of {}/{} words, this function has {words}",
+                st.msix_guest_mask.len(),
+                st.msix_pending.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Apply a checked PCI state: config space, MSI-X table, interrupt state (nothing is
+    /// sent), then the Bus Master switch.
+    fn apply_pci_state(&mut self, st: &PciStateV1) -> Result<(), MigrationError> {
+        self.check_pci_state(st)?;
+        let computed = self.computed_ranges();
+        self.space
+            .restore(&st.config, &computed)
+            .map_err(incompatible)?;
+        if let Some(t) = self.msix_table.as_mut() {
+            t.restore(&st.msix_table).map_err(incompatible)?;
+        }
+        let cmd = self.space.u16(reg::COMMAND);
+        let intx_disabled = cmd & crate::pci::config_space::command::INTX_DISABLE != 0;
+        self.irq.intx.restore(intx_disabled, st.intx_level);
+        if let Some(cap) = self.caps.msi {
+            let mask = u64::from(cap.mask_bits(&self.space));
+            self.irq.msi.restore(
+                cap.enabled_vectors(&self.space),
+                false,
+                &[mask],
+                &[st.msi_pending],
+            );
+        }
+        if let Some(cap) = self.caps.msix {
+            let (enabled, function_mask) = cap.control(&self.space);
+            let count = if enabled { self.irq.msix.count() } else { 0 };
+            self.irq.msix.restore(
+                count,
+                function_mask,
+                &st.msix_guest_mask,
+                &st.msix_pending,
+            );
+        }
+        self.sync_bus_master(BmeCause::Migration);
+        Ok(())
+    }
+}
+
+impl<D: PciDevice> Migrate for PciAdapter<D> {
+    fn caps(&self) -> MigrationCaps {
+        self.mig_caps.unwrap_or_default()
+    }
+
+    fn stop(&mut self) -> Result<(), MigrationError> {
+        self.device_migration()?.stop()
+    }
+
+    /// The device resumes; then interrupts that came in with the state (or pended while it
+    /// was stopped) and are deliverable now are sent.
+    fn resume(&mut self) -> Result<(), MigrationError> {
+        self.device_migration()?.resume()?;
+        let irq = &self.irq;
+        irq.intx.retry(|| irq.send_intx());
+        irq.msi.flush_all(|v| irq.send_msi(v));
+        irq.msix.flush_all(|v| irq.send_msix(v));
+        Ok(())
+    }
+
+    fn save(&mut self) -> Result<Vec<u8>, MigrationError> {
+        let pci = encode_state(PCI_FORMAT, PCI_VERSION, &self.pci_state())?;
+        let device = self.device_migration()?.save()?;
+        encode_state(
+            FUNCTION_FORMAT,
+            FUNCTION_VERSION,
+            &FunctionStateV1 { pci, device },
+        )
+    }
+
+    fn load(&mut self, state: &[u8]) -> Result<(), MigrationError> {
+        let (_, f): (u32, FunctionStateV1) =
+            decode_state(FUNCTION_FORMAT, 1, FUNCTION_VERSION, state)?;
+        let (_, pci): (u32, PciStateV1) = decode_state(PCI_FORMAT, 1, PCI_VERSION, &f.pci)?;
+        self.check_pci_state(&pci)?;
+        self.device_migration()?.load(&f.device)?;
+        self.apply_pci_state(&pci)
+    }
+
+    fn precopy(&mut self) -> Result<Option<Vec<u8>>, MigrationError> {
+        self.device_migration()?.precopy()
+    }
+
+    fn load_precopy(&mut self, chunk: &[u8]) -> Result<(), MigrationError> {
+        self.device_migration()?.load_precopy(chunk)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::pci::{BarKind, BarSpec, MsixSpec, PciConfig};
+
+    /// Registers only; migrates them.
+    #[derive(Default)]
+    struct Regs {
+        regs: [u32; 4],
+        id: u16,
+    }
+
+    impl Migrate for Regs {
+        fn stop(&mut self) -> Result<(), MigrationError> {
+            Ok(())
+        }
+        fn resume(&mut self) -> Result<(), MigrationError> {
+            Ok(())
+        }
+        fn save(&mut self) -> Result<Vec<u8>, MigrationError> {
+            encode_state("regs", 1, &self.regs)
+        }
+        fn load(&mut self, state: &[u8]) -> Result<(), MigrationError> {
+            self.regs = decode_state("regs", 1, 1, state)?.1;
+            Ok(())
+        }
+    }
+
+    impl PciDevice for Regs {
+        fn config(&self) -> PciConfig {
+            PciConfig {
+                ids: crate::pci::PciIds {
+                    vendor: 0x1b36,
+                    device: self.id,
+                    ..Default::default()
+                },
+                bars: vec![BarSpec {
+                    index: 0,
+                    size: 0x2000,
+                    kind: BarKind::Mmio32,
+                    prefetchable: false,
+                    shared: None,
+                }],
+                intx: true,
+                msi_vectors: 4,
+                msix: Some(MsixSpec {
+                    vectors: 70,
+                    table_bar: 0,
+                    table_offset: 0x1000,
+                    pba_bar: 0,
+                    pba_offset: 0x1800,
+                }),
+            }
+        }
+        fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
+            let v = self.regs.get(offset as usize / 4).copied().unwrap_or(0);
+            let n = data.len().min(4);
+            data[..n].copy_from_slice(&v.to_le_bytes()[..n]);
+        }
+        fn bar_write(&mut self, _bar: usize, offset: u64, data: &[u8]) {
+            if let (Some(r), Ok(b)) = (self.regs.get_mut(offset as usize / 4), data.try_into()) {
+                *r = u32::from_le_bytes(b);
+            }
+        }
+        fn migration(&mut self) -> Option<&mut dyn Migrate> {
+            Some(self)
+        }
+    }
+
+    fn adapter(id: u16) -> PciAdapter<Regs> {
+        PciAdapter::new(Regs {
+            id,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn cfg_read(a: &mut PciAdapter<Regs>, off: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        a.region_read(7, off, &mut v).unwrap();
+        v
+    }
+
+    #[test]
+    fn test_pci_state_round_trip_config_msix_table_masks_and_device() {
+        let mut src = adapter(1);
+        src.region_write(7, 0x10, &0xfebc_0000u32.to_le_bytes()).unwrap();
+        src.region_write(7, 0x04, &0x0406u16.to_le_bytes()).unwrap();
+        src.region_write(7, 0x3c, &[11]).unwrap();
+        // MSI-X entry 65: address, data, masked.
+        src.region_write(0, 0x1000 + 65 * 16, &[0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0])
+            .unwrap();
+        src.region_write(0, 8, &7u32.to_le_bytes()).unwrap();
+        let blob = src.save().unwrap();
+
+        let mut dst = adapter(1);
+        dst.load(&blob).unwrap();
+        assert_eq!(cfg_read(&mut dst, 0, 256), cfg_read(&mut src, 0, 256));
+        assert_eq!(dst.bar_address(0), 0xfebc_0000);
+        assert!(dst.bus_master_enabled());
+        let mut e = [0u8; 16];
+        dst.region_read(0, 0x1000 + 65 * 16, &mut e).unwrap();
+        assert_eq!(e, [0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0]);
+        let mut r = [0u8; 4];
+        dst.region_read(0, 8, &mut r).unwrap();
+        assert_eq!(u32::from_le_bytes(r), 7, "the device's own section");
+    }
+
+    #[test]
+    fn test_pci_state_of_another_device_refused_and_nothing_changes() {
+        let mut src = adapter(1);
+        src.region_write(0, 0, &5u32.to_le_bytes()).unwrap();
+        let blob = src.save().unwrap();
+        let mut other = adapter(2);
+        other.region_write(0, 0, &9u32.to_le_bytes()).unwrap();
+        let before = cfg_read(&mut other, 0, 256);
+        let e = other.load(&blob).unwrap_err();
+        assert!(matches!(e, MigrationError::Incompatible(_)), "{e}");
+        assert_eq!(cfg_read(&mut other, 0, 256), before);
+        let mut r = [0u8; 4];
+        other.region_read(0, 0, &mut r).unwrap();
+        assert_eq!(u32::from_le_bytes(r), 9, "the device was not loaded");
+    }
+}
