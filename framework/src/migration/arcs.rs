@@ -158,6 +158,8 @@ pub fn path(
     target: MigState,
     caps: MigrationCaps,
 ) -> Result<Vec<MigState>, ArcError> {
+    // Refused targets are refused even when the device is already there (ERROR to ERROR).
+    next_state(cur, target, caps)?;
     let mut out = Vec::new();
     let mut s = cur;
     while s != target {
@@ -273,6 +275,7 @@ mod tests {
         }
         assert_eq!(next_state(Stop, Error, pre), Err(ArcError::NotOffered(Error)));
         assert_eq!(next_state(Error, Running, pre), Err(ArcError::InError));
+        assert_eq!(path(Error, Error, pre), Err(ArcError::NotOffered(Error)));
     }
 
     #[test]

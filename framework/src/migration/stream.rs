@@ -82,7 +82,13 @@ fn frame(kind: Kind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), MigrationE
 
 /// Append the `Start` frame.
 pub fn write_start(out: &mut Vec<u8>) -> Result<(), MigrationError> {
-    let header = encode_state(STREAM_FORMAT, STREAM_VERSION, &())?;
+    write_start_version(STREAM_VERSION, out)
+}
+
+/// Append a `Start` frame naming stream version `version`: what another umdev would write
+/// (tests use it to check that a newer version is refused by its first frame).
+pub fn write_start_version(version: u32, out: &mut Vec<u8>) -> Result<(), MigrationError> {
+    let header = encode_state(STREAM_FORMAT, version, &())?;
     frame(Kind::Start, &header, out)
 }
 
@@ -348,8 +354,7 @@ mod tests {
     #[test]
     fn test_stream_newer_version_refused_by_its_first_frame() {
         let mut s = Vec::new();
-        let header = encode_state(STREAM_FORMAT, STREAM_VERSION + 1, &()).unwrap();
-        frame(Kind::Start, &header, &mut s).unwrap();
+        write_start_version(STREAM_VERSION + 1, &mut s).unwrap();
         let mut r = StreamReader::new();
         let e = r.feed(&s, &mut Sink::default()).unwrap_err();
         assert!(

@@ -53,7 +53,8 @@
 //!   [`TestServer::device`] looks at the device while the server owns it.
 //! - [`Vmm`]: the embedded VMM. Guest RAM as shared memory ([`GuestMemory`]) and fd-less
 //!   memory whose DMA_READ/DMA_WRITE it answers ([`FdlessMemory`]: honestly, with errors,
-//!   never, or QEMU-like after its own reply), DMA map/unmap, region access, a request log.
+//!   never, or QEMU-like after its own reply), DMA map/unmap, region access, a request log;
+//!   migration (the features, MIG_DATA loops) and DMA logging (`vmm_migration.rs`).
 //! - [`DeviceAccess`]: what a guest driver does with a device (8/16/32/64-bit accesses, the
 //!   capability walk, enabling the device, MSI, MSI-X, INTx), written once for the socket
 //!   ([`Vmm`]) and for a [`PciAdapter`](crate::pci::PciAdapter) called in-process.
@@ -81,6 +82,7 @@ mod rng;
 mod server;
 mod trivial;
 mod vmm;
+mod vmm_migration;
 
 #[cfg(test)]
 mod tests;
@@ -96,6 +98,7 @@ pub use rng::Rng;
 pub use server::{SharedDevice, TestServer, TestServerBuilder, TEST_REMOTE_DMA_TIMEOUT};
 pub use trivial::{TrivialDevice, TRIVIAL_BAR0_SIZE, TRIVIAL_CONFIG_SIZE};
 pub use vmm::{wait_eventfd, DmaServer, MappedRegion, RegionInfo, Vmm, CONNECT_RETRY};
+pub use vmm_migration::MIGRATION_CAPS;
 
 use std::fs::File;
 use std::io;

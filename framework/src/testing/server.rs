@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use crate::device::{Device, DeviceError, DeviceInfo, SetIrqs};
 use crate::dma::{DmaConfig, DmaHandle, DmaSpace};
+use crate::migration::{Migrate, MigrationCaps, MigrationError};
 use crate::pci::{PciAdapter, PciDevice};
 use crate::server::{RunningServer, Server, ServerConfig, ServerError};
 
@@ -66,6 +67,53 @@ impl<D: Device> Device for SharedDevice<D> {
     }
     fn request_release(&mut self) -> bool {
         lock(&self.0).request_release()
+    }
+    fn migration(&mut self) -> Option<&mut dyn Migrate> {
+        if lock(&self.0).migration().is_some() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+/// The shared device's migration: each call locks the device and forwards to its own.
+impl<D: Device> Migrate for SharedDevice<D> {
+    fn caps(&self) -> MigrationCaps {
+        // `Device::migration` needs `&mut`; the lock gives it.
+        lock(&self.0)
+            .migration()
+            .map_or_else(MigrationCaps::default, |m| m.caps())
+    }
+    fn stop(&mut self) -> Result<(), MigrationError> {
+        with_migration(&self.0, |m| m.stop())
+    }
+    fn resume(&mut self) -> Result<(), MigrationError> {
+        with_migration(&self.0, |m| m.resume())
+    }
+    fn save(&mut self) -> Result<Vec<u8>, MigrationError> {
+        with_migration(&self.0, |m| m.save())
+    }
+    fn load(&mut self, state: &[u8]) -> Result<(), MigrationError> {
+        with_migration(&self.0, |m| m.load(state))
+    }
+    fn precopy(&mut self) -> Result<Option<Vec<u8>>, MigrationError> {
+        with_migration(&self.0, |m| m.precopy())
+    }
+    fn load_precopy(&mut self, chunk: &[u8]) -> Result<(), MigrationError> {
+        with_migration(&self.0, |m| m.load_precopy(chunk))
+    }
+}
+
+fn with_migration<D: Device, T>(
+    dev: &Mutex<D>,
+    f: impl FnOnce(&mut dyn Migrate) -> Result<T, MigrationError>,
+) -> Result<T, MigrationError> {
+    match lock(dev).migration() {
+        Some(m) => f(m),
+        None => Err(MigrationError::Device(
+            "the device no longer offers migration".into(),
+        )),
     }
 }
 
@@ -177,6 +225,14 @@ impl<D: Device + 'static> TestServer<D> {
     /// Connect the embedded VMM (negotiated with [`super::DEFAULT_CAPS`]).
     pub fn connect(&self) -> io::Result<Vmm> {
         Vmm::connect(&self.path)
+    }
+
+    /// True while a client is attached (see [`RunningServer::client_attached`]); false
+    /// once the last client's teardown has finished (or the server was taken out).
+    pub fn client_attached(&self) -> bool {
+        self.running
+            .as_ref()
+            .is_some_and(RunningServer::client_attached)
     }
 
     /// Take the running server out (to shut it down from another thread, say); the

@@ -53,6 +53,11 @@ const SET_IRQS_EVENTFD_TRIGGER: u32 = (1 << 2) | (1 << 5);
 /// The VMM side of one connection.
 pub struct Vmm {
     client: RawClient,
+    /// The transfer limit the server's VERSION reply gave (the spec default without one).
+    max_xfer: u32,
+    /// The capabilities of the server's VERSION reply (`None`: built on a client
+    /// negotiated elsewhere).
+    server_caps: Option<crate::protocol::version::Capabilities>,
     ram: Option<GuestMemory>,
     fdless: FdlessMemory,
     defer: bool,
@@ -112,14 +117,21 @@ impl Vmm {
                 }
             }
         };
-        client.try_negotiate(caps)?;
-        Ok(Self::from_client(client))
+        let reply = client.try_negotiate(caps)?;
+        let mut vmm = Self::from_client(client);
+        if let Ok(v) = crate::protocol::version::Version::decode(&reply.payload) {
+            vmm.max_xfer = v.caps.max_data_xfer_size;
+            vmm.server_caps = Some(v.caps);
+        }
+        Ok(vmm)
     }
 
     /// A VMM on an already negotiated client.
     pub fn from_client(client: RawClient) -> Vmm {
         Vmm {
             client,
+            max_xfer: crate::protocol::version::DEFAULT_MAX_DATA_XFER_SIZE,
+            server_caps: None,
             ram: None,
             fdless: FdlessMemory::new(0, 0),
             defer: false,
@@ -144,6 +156,16 @@ impl Vmm {
             .stream()
             .set_read_timeout(Some(Duration::from_secs(15)))?;
         Ok(self)
+    }
+
+    /// The capabilities the server's VERSION reply carried (with [`Vmm::connect`]).
+    pub fn server_caps(&self) -> Option<&crate::protocol::version::Capabilities> {
+        self.server_caps.as_ref()
+    }
+
+    /// The largest transfer negotiated (what the server's VERSION reply said).
+    pub fn max_data_xfer_size(&self) -> u32 {
+        self.max_xfer
     }
 
     /// The guest RAM added by [`Vmm::with_ram`].
