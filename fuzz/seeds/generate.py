@@ -31,6 +31,12 @@ cmds = [
     msg(14, 3, struct.pack('<IIQQ', 24, 0, 0x800000, 0x4000)),         # DMA_UNMAP
     msg(15, 13, b''),                                                  # RESET
     msg(16, 1, b'\0' * 4),                                             # second VERSION
+    msg(17, 16, struct.pack('<II', 16, 0x10000 | 1)),                  # MIGRATION GET
+    msg(18, 16, struct.pack('<II', 16, 0x10000 | 2)),                  # MIG_DEVICE_STATE GET
+    msg(19, 16, struct.pack('<IIIi', 16, 0x20000 | 2, 3, -1)),         # SET STOP_COPY
+    msg(20, 17, struct.pack('<II', 8 + 64, 64)),                       # MIG_DATA_READ
+    msg(21, 16, struct.pack('<IIIi', 16, 0x20000 | 2, 4, -1)),         # SET RESUMING
+    msg(22, 18, struct.pack('<II', 8 + 4, 4) + b'\x01\x02\x03\x04'),   # MIG_DATA_WRITE
 ]
 caps = b'{"capabilities":{"max_msg_fds":16,"twin_socket":{"supported":true},' \
        b'"write_multiple":true,"pgsizes":4096}}'
@@ -53,3 +59,29 @@ put('protocol_decode', 'version', msg(1, 1, version)[:16] + b'\x01' + version)
 for i, c in enumerate(cmds):
     put('server_stream', f'one_{i}', b'\x02' + c)
     put('protocol_decode', f'cmd_{i}', c[:16] + b'\x00' + c[16:])
+
+
+# The migration stream (framework/src/migration/stream.rs): frames of
+# postcard(kind, len, crc) + payload, crc = CRC-32 of the kind byte and the payload.
+def varint(n):
+    out = b''
+    while True:
+        b = n & 0x7f
+        n >>= 7
+        if n:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def frame(kind, payload):
+    import zlib
+    crc = zlib.crc32(bytes([kind]) + payload) & 0xffffffff
+    return varint(kind) + varint(len(payload)) + varint(crc) + payload
+
+
+fmt = b'umdev-migration-stream'
+start = frame(0, varint(len(fmt)) + fmt + varint(1))
+stream = start + frame(1, b'precopy chunk') + frame(2, b'state bytes') + frame(3, b'')
+# protocol_decode: the payload doubles as a migration stream.
+put('protocol_decode', 'mig_stream', msg(30, 18, b'')[:16] + b'\x00' + stream)
