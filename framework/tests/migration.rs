@@ -171,7 +171,10 @@ fn test_migration_every_arc_legal_and_illegal_matches_the_kernel_table() {
     for pre_copy in [false, true] {
         let s = server(pre_copy, false);
         let mut vmm = connect(&s);
-        for from in ALL.into_iter().filter(|&f| f == Error || supported(f, pre_copy)) {
+        for from in ALL
+            .into_iter()
+            .filter(|&f| f == Error || supported(f, pre_copy))
+        {
             // Targets: every state, plus values that name none.
             for raw in (0..8u32).chain([8, 0xabcd, u32::MAX]) {
                 vmm.reset().unwrap();
@@ -284,7 +287,11 @@ fn migrate(pre_copy: bool) {
     // The counter goes on from the source's value, into the destination's RAM.
     assert!(b.read64(0, COUNT).unwrap() >= count);
     assert!(
-        wait_until(Duration::from_secs(5), || b.ram().read_u64(COUNTER_AT).unwrap() > count),
+        wait_until(Duration::from_secs(5), || b
+            .ram()
+            .read_u64(COUNTER_AT)
+            .unwrap()
+            > count),
         "the destination did not go on counting"
     );
     let calls = dst.device().device_mut().take_calls();
@@ -296,7 +303,10 @@ fn migrate(pre_copy: bool) {
     // The source stays stopped until told otherwise, then runs again (aborted migration).
     a.set_mig_state(Running).unwrap();
     let before = a.read64(0, COUNT).unwrap();
-    assert!(wait_until(Duration::from_secs(5), || a.read64(0, COUNT).unwrap() > before));
+    assert!(wait_until(Duration::from_secs(5), || a
+        .read64(0, COUNT)
+        .unwrap()
+        > before));
 }
 
 #[test]
@@ -335,7 +345,11 @@ fn check_refused_then_usable(bad: &[u8], good: &[u8], what: &str) {
     if let Err(e) = &written {
         assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{what}: {e}");
     }
-    assert_eq!(errno(b.set_mig_state_raw(Stop as u32)), libc::EINVAL, "{what}");
+    assert_eq!(
+        errno(b.set_mig_state_raw(Stop as u32)),
+        libc::EINVAL,
+        "{what}"
+    );
     assert_eq!(b.mig_state().unwrap(), Error, "{what}");
     b.reset().unwrap();
     assert_eq!(b.mig_state().unwrap(), Running, "{what}");
@@ -346,7 +360,11 @@ fn check_refused_then_usable(bad: &[u8], good: &[u8], what: &str) {
     b.set_mig_state(Resuming).unwrap();
     b.mig_write_all(good).unwrap();
     b.set_mig_state(Running).unwrap();
-    assert_eq!(b.read32(0, SCRATCH).unwrap(), 0x5ca1ab1e, "{what}: good stream loaded");
+    assert_eq!(
+        b.read32(0, SCRATCH).unwrap(),
+        0x5ca1ab1e,
+        "{what}: good stream loaded"
+    );
 }
 
 #[test]
@@ -409,7 +427,10 @@ fn writes_after_stop(leaky: bool) -> bool {
     let _ = vmm.mig_read_all().unwrap();
     vmm.set_mig_state(Running).unwrap();
     assert!(
-        wait_until(Duration::from_secs(5), || vmm.ram().read_u64(COUNTER_AT).unwrap()
+        wait_until(Duration::from_secs(5), || vmm
+            .ram()
+            .read_u64(COUNTER_AT)
+            .unwrap()
             != POISON),
         "the device does not write again after RUNNING"
     );
@@ -466,7 +487,11 @@ fn test_migration_while_the_client_unmaps_memory() {
     assert_eq!(b.read32(0, SCRATCH).unwrap(), 99);
     let c = b.read64(0, COUNT).unwrap();
     assert!(
-        wait_until(Duration::from_secs(5), || b.ram().read_u64(COUNTER_AT).unwrap() > c),
+        wait_until(Duration::from_secs(5), || b
+            .ram()
+            .read_u64(COUNTER_AT)
+            .unwrap()
+            > c),
         "the destination re-pins and goes on counting"
     );
     // The source, its memory gone, runs again when the migration is aborted, and writes
@@ -572,7 +597,11 @@ fn test_migration_features_of_a_migrating_device() {
         assert_eq!(vmm.mig_state().unwrap(), Running);
         vmm.probe_feature(1, 1 << 16).unwrap();
         vmm.probe_feature(2, (1 << 16) | (1 << 17)).unwrap();
-        assert_eq!(errno(vmm.probe_feature(1, 1 << 17)), libc::EINVAL, "SET of MIGRATION");
+        assert_eq!(
+            errno(vmm.probe_feature(1, 1 << 17)),
+            libc::EINVAL,
+            "SET of MIGRATION"
+        );
         drop(vmm);
         // A client that does not offer `migration` gets none back.
         assert!(wait_until(Duration::from_secs(5), || !s.client_attached()));

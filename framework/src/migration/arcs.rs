@@ -74,9 +74,7 @@ fn arcs_from(from: MigState, caps: MigrationCaps) -> impl Iterator<Item = MigSta
         MigState::PreCopy => &[MigState::Running, MigState::StopCopy],
         MigState::Error | MigState::RunningP2p | MigState::PreCopyP2p => &[],
     };
-    all.iter()
-        .copied()
-        .filter(move |&s| is_offered(s, caps))
+    all.iter().copied().filter(move |&s| is_offered(s, caps))
 }
 
 /// Why a SET cannot reach its target.
@@ -209,8 +207,7 @@ mod tests {
         ],
         // from PRE_COPY_P2P
         [
-            Error, RunningP2p, RunningP2p, StopCopy, RunningP2p, RunningP2p, PreCopy,
-            PreCopyP2p,
+            Error, RunningP2p, RunningP2p, StopCopy, RunningP2p, RunningP2p, PreCopy, PreCopyP2p,
         ],
     ];
 
@@ -271,9 +268,15 @@ mod tests {
             Err(ArcError::NotOffered(PreCopy))
         );
         for p2p in [RunningP2p, PreCopyP2p] {
-            assert_eq!(next_state(Running, p2p, pre), Err(ArcError::NotOffered(p2p)));
+            assert_eq!(
+                next_state(Running, p2p, pre),
+                Err(ArcError::NotOffered(p2p))
+            );
         }
-        assert_eq!(next_state(Stop, Error, pre), Err(ArcError::NotOffered(Error)));
+        assert_eq!(
+            next_state(Stop, Error, pre),
+            Err(ArcError::NotOffered(Error))
+        );
         assert_eq!(next_state(Error, Running, pre), Err(ArcError::InError));
         assert_eq!(path(Error, Error, pre), Err(ArcError::NotOffered(Error)));
     }

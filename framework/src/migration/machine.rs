@@ -303,7 +303,10 @@ impl Machine {
     pub fn read(&mut self, size: usize, dev: &mut dyn Migrate) -> Result<Vec<u8>, MachineError> {
         let state = self.state;
         let Session::Saving(s) = &mut self.session else {
-            return Err(MachineError::NoSession { what: "read", state });
+            return Err(MachineError::NoSession {
+                what: "read",
+                state,
+            });
         };
         if s.left() == 0 && !s.final_state {
             if !s.may_refill {

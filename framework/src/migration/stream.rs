@@ -193,7 +193,9 @@ impl StreamReader {
             };
             let len = head.len as usize;
             if len > MAX_FRAME {
-                break Err(malformed(format!("frame of {len} bytes is over {MAX_FRAME}")));
+                break Err(malformed(format!(
+                    "frame of {len} bytes is over {MAX_FRAME}"
+                )));
             }
             let head_len = rest.len() - after.len();
             if after.len() < len {
@@ -334,7 +336,10 @@ mod tests {
         for cut in 0..s.len() {
             let (state, _) = read(&s[..cut], 5);
             let e = state.unwrap_err();
-            assert!(matches!(e, MigrationError::Malformed { .. }), "cut {cut}: {e}");
+            assert!(
+                matches!(e, MigrationError::Malformed { .. }),
+                "cut {cut}: {e}"
+            );
         }
     }
 
@@ -382,6 +387,9 @@ mod tests {
         };
         write_start(&mut huge).unwrap();
         huge.extend(postcard::to_allocvec(&head).unwrap());
-        assert!(read(&huge, 9).0.is_err(), "a 4 GiB frame is refused at its head");
+        assert!(
+            read(&huge, 9).0.is_err(),
+            "a 4 GiB frame is refused at its head"
+        );
     }
 }

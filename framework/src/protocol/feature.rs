@@ -8,8 +8,8 @@ use vfio_bindings::bindings::vfio::{
     vfio_device_feature_dma_logging_range, vfio_device_feature_dma_logging_report,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
-    VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE,
-    VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
+    VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE,
+    VFIO_DEVICE_FEATURE_SET,
 };
 
 use super::migration::{check_argsz, check_get_data, decode_set_state};
@@ -335,13 +335,25 @@ mod tests {
         let get = VFIO_DEVICE_FEATURE_GET;
         let set = VFIO_DEVICE_FEATURE_SET;
         let p = encode_feature(16, get | VFIO_DEVICE_FEATURE_MIGRATION, &[]);
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap(), FeatureRequest::Migration);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::Migration
+        );
         let p = encode_feature(15, get | VFIO_DEVICE_FEATURE_MIGRATION, &[]);
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::EINVAL
+        );
         let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIGRATION, &[0; 8]);
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::EINVAL
+        );
         let p = encode_feature(16, get | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]);
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap(), FeatureRequest::MigStateGet);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap(),
+            FeatureRequest::MigStateGet
+        );
         let data = encode_mig_state_data(MigState::StopCopy as u32);
         let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &data);
         assert_eq!(
@@ -349,12 +361,18 @@ mod tests {
             FeatureRequest::MigStateSet(MigState::StopCopy)
         );
         let p = encode_feature(16, set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &data[..4]);
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::EINVAL
+        );
         let p = encode_feature(
             16,
             set | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE,
             &encode_mig_state_data(9),
         );
-        assert_eq!(decode_feature(&p, 0, 1 << 20).unwrap_err().errno(), libc::EINVAL);
+        assert_eq!(
+            decode_feature(&p, 0, 1 << 20).unwrap_err().errno(),
+            libc::EINVAL
+        );
     }
 }

@@ -102,7 +102,10 @@ pub(super) fn decode_set_state(data: &[u8]) -> Result<MigState, ProtocolError> {
     let raw = r.u32()?;
     let _data_fd = r.u32()?;
     MigState::from_u32(raw).ok_or_else(|| {
-        ProtocolError::invalid("MIG_DEVICE_STATE device_state", format!("{raw} names no state"))
+        ProtocolError::invalid(
+            "MIG_DEVICE_STATE device_state",
+            format!("{raw} names no state"),
+        )
     })
 }
 
@@ -119,7 +122,11 @@ pub enum MigData<'a> {
 }
 
 /// Decode MIG_DATA_READ (`write` false) or MIG_DATA_WRITE; `max` is the transfer limit.
-pub fn decode_mig_data(payload: &[u8], write: bool, max: u32) -> Result<MigData<'_>, ProtocolError> {
+pub fn decode_mig_data(
+    payload: &[u8],
+    write: bool,
+    max: u32,
+) -> Result<MigData<'_>, ProtocolError> {
     let what = if write {
         "MIG_DATA_WRITE"
     } else {
@@ -216,7 +223,11 @@ mod tests {
     #[test]
     fn test_mig_data_layout_sizes_keep_their_values() {
         assert_eq!(
-            (MIGRATION_DATA_SIZE, MIG_STATE_DATA_SIZE, MIG_DATA_HEADER_SIZE),
+            (
+                MIGRATION_DATA_SIZE,
+                MIG_STATE_DATA_SIZE,
+                MIG_DATA_HEADER_SIZE
+            ),
             (8, 8, 8)
         );
     }

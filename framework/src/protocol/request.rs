@@ -181,7 +181,6 @@ pub fn decode_request<'a>(
     })
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -339,7 +339,7 @@ impl From<&Capabilities> for CapsJson {
             pgsizes: p.pgsizes.then_some(c.pgsizes),
             write_multiple: p.write_multiple.then_some(c.write_multiple),
             twin_socket: p.twin_socket.then_some(twin_socket),
-            migration: p.migration.then(|| MigrationJson {
+            migration: p.migration.then_some(MigrationJson {
                 pgsize: c.migration_pgsize,
                 max_bitmap_size: c.migration_max_bitmap_size,
             }),
@@ -952,7 +952,10 @@ mod tests {
         assert_eq!(back.caps.migration_pgsize, Some(4096));
         assert_eq!(back.caps.migration_max_bitmap_size, Some(1 << 20));
         assert!(16 + n.reply.encode_payload().len() <= 16 + req.len());
-        assert!(n.reply.caps_json().contains("write_multiple"), "all keys fit");
+        assert!(
+            n.reply.caps_json().contains("write_multiple"),
+            "all keys fit"
+        );
         // Not offered by the client: not in the reply.
         let plain = payload(0, 0, "{\"capabilities\":{\"max_msg_fds\":4}}");
         let v = Version::decode(&plain).unwrap();

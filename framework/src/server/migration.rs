@@ -173,5 +173,4 @@ impl Connection {
         *machine = Machine::new(machine.caps());
         self.mig_hold = None;
     }
-
 }

@@ -8,9 +8,8 @@ use std::io;
 
 use vfio_bindings::bindings::vfio::{
     VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
-    VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET,
-    VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE,
-    VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
+    VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MIGRATION,
+    VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
 };
 
 use crate::migration::MigState;
@@ -64,7 +63,10 @@ impl Vmm {
             VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION,
             &[],
         )?;
-        let mut r = Reader::new(p.get(FEATURE_HEADER_SIZE..).unwrap_or_default(), "MIGRATION");
+        let mut r = Reader::new(
+            p.get(FEATURE_HEADER_SIZE..).unwrap_or_default(),
+            "MIGRATION",
+        );
         r.u64().map_err(bad)
     }
 
@@ -178,12 +180,7 @@ impl Vmm {
 
     /// DMA_LOGGING_REPORT of `[iova, iova + length)` at `page_size`: the dirty bitmap (bit
     /// n of word n / 64 is page n), cleared on the server as it is reported.
-    pub fn dirty_report(
-        &mut self,
-        iova: u64,
-        length: u64,
-        page_size: u64,
-    ) -> io::Result<Vec<u64>> {
+    pub fn dirty_report(&mut self, iova: u64, length: u64, page_size: u64) -> io::Result<Vec<u64>> {
         let pages = length.div_ceil(page_size.max(1));
         let bitmap = usize::try_from(pages.div_ceil(64) * 8)
             .map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))?;

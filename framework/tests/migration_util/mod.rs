@@ -257,10 +257,11 @@ impl Migrate for Counter {
 
     fn load_precopy(&mut self, chunk: &[u8]) -> Result<(), MigrationError> {
         self.calls.push("load_precopy");
-        let Pieces(pieces) = postcard::from_bytes(chunk).map_err(|e| MigrationError::Malformed {
-            format: FORMAT.into(),
-            why: e.to_string(),
-        })?;
+        let Pieces(pieces) =
+            postcard::from_bytes(chunk).map_err(|e| MigrationError::Malformed {
+                format: FORMAT.into(),
+                why: e.to_string(),
+            })?;
         for (i, bytes) in pieces {
             let start = i as usize * PIECE;
             let dst = self

@@ -24,9 +24,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{BmeCause, PciAdapter};
-use crate::migration::{
-    decode_state, encode_state, Migrate, MigrationCaps, MigrationError,
-};
+use crate::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
 use crate::pci::config_space::reg;
 use crate::pci::PciDevice;
 
@@ -142,12 +140,9 @@ impl<D: PciDevice> PciAdapter<D> {
         if let Some(cap) = self.caps.msix {
             let (enabled, function_mask) = cap.control(&self.space);
             let count = if enabled { self.irq.msix.count() } else { 0 };
-            self.irq.msix.restore(
-                count,
-                function_mask,
-                &st.msix_guest_mask,
-                &st.msix_pending,
-            );
+            self.irq
+                .msix
+                .restore(count, function_mask, &st.msix_guest_mask, &st.msix_pending);
         }
         self.sync_bus_master(BmeCause::Migration);
         Ok(())
@@ -289,12 +284,17 @@ mod tests {
     #[test]
     fn test_pci_state_round_trip_config_msix_table_masks_and_device() {
         let mut src = adapter(1);
-        src.region_write(7, 0x10, &0xfebc_0000u32.to_le_bytes()).unwrap();
+        src.region_write(7, 0x10, &0xfebc_0000u32.to_le_bytes())
+            .unwrap();
         src.region_write(7, 0x04, &0x0406u16.to_le_bytes()).unwrap();
         src.region_write(7, 0x3c, &[11]).unwrap();
         // MSI-X entry 65: address, data, masked.
-        src.region_write(0, 0x1000 + 65 * 16, &[0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0])
-            .unwrap();
+        src.region_write(
+            0,
+            0x1000 + 65 * 16,
+            &[0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0],
+        )
+        .unwrap();
         src.region_write(0, 8, &7u32.to_le_bytes()).unwrap();
         let blob = src.save().unwrap();
 
@@ -305,7 +305,10 @@ mod tests {
         assert!(dst.bus_master_enabled());
         let mut e = [0u8; 16];
         dst.region_read(0, 0x1000 + 65 * 16, &mut e).unwrap();
-        assert_eq!(e, [0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(
+            e,
+            [0x10, 0, 0xe0, 0xfe, 0, 0, 0, 0, 0x42, 0, 0, 0, 1, 0, 0, 0]
+        );
         let mut r = [0u8; 4];
         dst.region_read(0, 8, &mut r).unwrap();
         assert_eq!(u32::from_le_bytes(r), 7, "the device's own section");
