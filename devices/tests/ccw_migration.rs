@@ -18,7 +18,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// The device's migration interface, as the framework reaches it.
 fn mig(rig: &mut Rig) -> &mut dyn Migrate {
-    rig.dev.device_mut().migration().expect("the ccw device migrates")
+    rig.dev
+        .device_mut()
+        .migration()
+        .expect("the ccw device migrates")
 }
 
 /// Instantaneous count of `efd` (0 if it was not signalled).
@@ -235,7 +238,8 @@ fn test_ccw_migration_data_set_across_stop_reads_back_with_one_completion() {
     for (catch, s) in &seen {
         println!("{catch:?}: {s:?}");
     }
-    let carried = |f: fn(&Option<InFlightV1>) -> bool| seen.iter().filter(|(_, s)| f(&s.carried)).count();
+    let carried =
+        |f: fn(&Option<InFlightV1>) -> bool| seen.iter().filter(|(_, s)| f(&s.carried)).count();
     // Each way a program can be in flight at STOP happened at least once.
     assert!(carried(|c| matches!(c, Some(InFlightV1::Start { .. }))) >= 1);
     assert!(carried(|c| matches!(c, Some(InFlightV1::Deliver { .. }))) >= 1);
@@ -346,7 +350,9 @@ fn test_ccw_migration_newer_version_cut_short_or_other_image_refused_destination
     mig(&mut fresh).stop().unwrap();
     assert!(mig(&mut fresh).load(&state[..state.len() / 2]).is_err());
     mig(&mut fresh).resume().unwrap();
-    assert!(fresh.run(&program(false, SMALL + CHUNK, 1), BLOCK_A).is_ok());
+    assert!(fresh
+        .run(&program(false, SMALL + CHUNK, 1), BLOCK_A)
+        .is_ok());
     assert_eq!(fresh.guest_read(SMALL + CHUNK, a.len()), a);
 }
 

@@ -26,7 +26,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// The GPU's migration interface, as the framework reaches it.
 fn mig(rig: &mut Rig) -> &mut dyn Migrate {
-    rig.adapter().device_mut().migration().expect("the GPU migrates")
+    rig.adapter()
+        .device_mut()
+        .migration()
+        .expect("the GPU migrates")
 }
 
 /// A rig around `gpu` on guest memory `ram` (mapped as `Rig::new` maps it), memory
@@ -151,7 +154,7 @@ fn scene() -> [Vec<Command>; 3] {
     ];
     // Enough full-screen work that STOP often lands in the middle of it.
     let mut around: Vec<Command> = (0..24)
-        .map(|i| fill(0, 0, W, H, 0x0101_01 * (i + 1)))
+        .map(|i| fill(0, 0, W, H, 0x01_0101 * (i + 1)))
         .collect();
     around.extend([
         fill(0, 0, W, H, 0x30_3030),
@@ -223,7 +226,10 @@ fn test_gpu_migration_scene_half_before_half_after_is_pixel_identical() {
         // The stopped source did nothing more.
         assert_eq!(old.drv.read(REG_RING_HEAD).unwrap(), head);
     }
-    assert!(pending_at_stop >= 4, "{pending_at_stop} rounds had work pending");
+    assert!(
+        pending_at_stop >= 4,
+        "{pending_at_stop} rounds had work pending"
+    );
 }
 
 /// Instantaneous count of `efd` (0 if it was not signalled).
@@ -248,7 +254,11 @@ fn test_gpu_migration_fence_pending_at_stop_interrupts_once_on_destination() {
         .submit(&mut guest.ram, &[Command::Fence { value: 7 }])
         .unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(guest.drv.read(REG_FENCE_VALUE).unwrap(), 0, "ran while stopped");
+    assert_eq!(
+        guest.drv.read(REG_FENCE_VALUE).unwrap(),
+        0,
+        "ran while stopped"
+    );
     assert_eq!(fired(&src_irq), 0, "interrupt while stopped");
     let mut dst_irq = None;
     let (_old, _) = migrate(&mut guest, new_gpu(), |dst| {
@@ -270,9 +280,7 @@ fn test_gpu_migration_fence_racing_stop_interrupts_exactly_once_overall() {
         let src_irq = guest.enable_msix();
         guest.drv.enable_irqs(IRQ_FENCE).unwrap();
         let fence = 100 + round;
-        let mut cmds: Vec<Command> = (0..(round % 4) * 4)
-            .map(|i| fill(0, 0, W, H, i))
-            .collect();
+        let mut cmds: Vec<Command> = (0..(round % 4) * 4).map(|i| fill(0, 0, W, H, i)).collect();
         cmds.push(Command::Fence { value: fence });
         guest.drv.submit(&mut guest.ram, &cmds).unwrap();
         mig(&mut guest).stop().unwrap();
@@ -324,7 +332,10 @@ fn test_gpu_stop_quiesces_nothing_runs_or_is_fetched_until_resume() {
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(rig.drv.read(REG_RING_HEAD).unwrap(), head);
         assert_eq!(rig.gpu().engine_stats().commands, stats.commands);
-        assert!(fb_bytes(&mut rig) == fb, "the framebuffer changed while stopped");
+        assert!(
+            fb_bytes(&mut rig) == fb,
+            "the framebuffer changed while stopped"
+        );
         assert_eq!(fired(&irq), 0);
         if head != bytes.len() as u32 {
             caught += 1;
@@ -336,7 +347,10 @@ fn test_gpu_stop_quiesces_nothing_runs_or_is_fetched_until_resume() {
         assert_eq!(rig.gpu().pixel(W - 1, H - 1), Some(0x10_0000 + 63));
         assert_eq!(rig.drv.read(REG_ERROR_COUNT).unwrap(), 0);
     }
-    assert!(caught >= 3, "STOP caught work in progress only {caught} times");
+    assert!(
+        caught >= 3,
+        "STOP caught work in progress only {caught} times"
+    );
 }
 
 /// A pixel pattern written by the guest CPU straight into BAR2's memory (what a guest
@@ -368,7 +382,10 @@ fn test_gpu_precopy_guest_keeps_drawing_stop_copy_carries_little() {
     let mut dst = rig_on(new_gpu(), copy_ram(&guest.ram));
     mig(&mut dst).stop().unwrap();
     let mut rounds = Vec::new();
-    let first = mig(&mut guest).precopy().unwrap().expect("the first round sends");
+    let first = mig(&mut guest)
+        .precopy()
+        .unwrap()
+        .expect("the first round sends");
     mig(&mut dst).load_precopy(&first).unwrap();
     rounds.push(first.len());
     for frame in 0..6u32 {
@@ -585,8 +602,15 @@ fn test_gpu_parent_instance_migrates_destination_keeps_its_type_weight_engine_se
     assert_eq!(fb_bytes(&mut guest), reference_scene());
     let info = dst_parent.instances();
     assert_eq!((info.len(), info[0].weight), (1, 3));
-    assert!(info[0].stats.commands > 0, "executed on the destination's engine");
+    assert!(
+        info[0].stats.commands > 0,
+        "executed on the destination's engine"
+    );
     assert_eq!(src_parent.instances()[0].weight, 1);
     drop(old);
-    assert_eq!(src_parent.instances().len(), 1, "the source instance went away");
+    assert_eq!(
+        src_parent.instances().len(),
+        1,
+        "the source instance went away"
+    );
 }

@@ -264,13 +264,9 @@ impl Migrate for Ccw {
 
     fn load(&mut self, bytes: &[u8]) -> Result<(), MigrationError> {
         self.stop()?;
-        let checked = decode_state::<CcwStateV1>(
-            STATE_FORMAT,
-            STATE_VERSION_MIN,
-            STATE_VERSION,
-            bytes,
-        )
-        .and_then(|(_, s)| self.check_state(&s).map(|task| (s, task)));
+        let checked =
+            decode_state::<CcwStateV1>(STATE_FORMAT, STATE_VERSION_MIN, STATE_VERSION, bytes)
+                .and_then(|(_, s)| self.check_state(&s).map(|task| (s, task)));
         let (state, task) = match checked {
             Ok(v) => v,
             Err(e) => {

@@ -8,7 +8,7 @@
 //! the weight of its own type). The formats and their versions are in `wire.rs`; the
 //! guest-visible contract is in `protocol-docs/devices/gpu.md` ("Live migration").
 //!
-//! **STOP** is the quiescing a reset uses (`worker.rs`): [`Worker::hold`] waits until the
+//! **STOP** is the quiescing a reset uses (`worker.rs`): `Worker::hold` waits until the
 //! fetcher and the engine are between units of this GPU and keeps them there. When it
 //! returns no register changes, no interrupt is raised, no framebuffer byte is written and
 //! no DMA is done (no pin, no ring fetch) on this GPU's behalf; every command is either
@@ -40,9 +40,7 @@
 mod fb_sync;
 pub mod wire;
 
-use umdev::migration::{
-    decode_state, encode_state, Migrate, MigrationCaps, MigrationError,
-};
+use umdev::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
 use umdev::pci::PciDevice;
 
 use super::gtt::{self, lock};
@@ -50,8 +48,8 @@ use super::worker::{Hold, Worker};
 use super::Gpu;
 use fb_sync::{Incoming, Outgoing};
 use wire::{
-    ChunkV1, FbPartV1, StateV1, PRECOPY_FORMAT, PRECOPY_VERSION, PRECOPY_VERSION_MIN,
-    STATE_FORMAT, STATE_VERSION, STATE_VERSION_MIN,
+    ChunkV1, FbPartV1, StateV1, PRECOPY_FORMAT, PRECOPY_VERSION, PRECOPY_VERSION_MIN, STATE_FORMAT,
+    STATE_VERSION, STATE_VERSION_MIN,
 };
 
 /// The GPU's migration state (owned by the device, touched on the connection thread only).
@@ -217,27 +215,23 @@ impl Migrate for Gpu {
     }
 
     fn load_precopy(&mut self, chunk: &[u8]) -> Result<(), MigrationError> {
-        let checked = decode_state::<ChunkV1>(
-            PRECOPY_FORMAT,
-            PRECOPY_VERSION_MIN,
-            PRECOPY_VERSION,
-            chunk,
-        )
-        .and_then(|(_, c)| {
-            let complete = c.check(self.fb_size)?;
-            let expected = self.mig.incoming.as_ref().map_or(0, |i| i.next);
-            match c.seq {
-                0 if !complete => Err(MigrationError::Malformed {
-                    format: PRECOPY_FORMAT.to_owned(),
-                    why: "the first PRE_COPY chunk does not hold every page".into(),
-                }),
-                0 => Ok(c),
-                seq if seq == expected => Ok(c),
-                seq => Err(MigrationError::Incompatible(format!(
-                    "PRE_COPY chunk {seq} arrived, chunk {expected} was expected"
-                ))),
-            }
-        });
+        let checked =
+            decode_state::<ChunkV1>(PRECOPY_FORMAT, PRECOPY_VERSION_MIN, PRECOPY_VERSION, chunk)
+                .and_then(|(_, c)| {
+                    let complete = c.check(self.fb_size)?;
+                    let expected = self.mig.incoming.as_ref().map_or(0, |i| i.next);
+                    match c.seq {
+                        0 if !complete => Err(MigrationError::Malformed {
+                            format: PRECOPY_FORMAT.to_owned(),
+                            why: "the first PRE_COPY chunk does not hold every page".into(),
+                        }),
+                        0 => Ok(c),
+                        seq if seq == expected => Ok(c),
+                        seq => Err(MigrationError::Incompatible(format!(
+                            "PRE_COPY chunk {seq} arrived, chunk {expected} was expected"
+                        ))),
+                    }
+                });
         match checked {
             Ok(c) => {
                 fb_sync::apply(&self.shared.fb, &c.pages);

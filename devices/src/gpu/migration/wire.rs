@@ -332,7 +332,7 @@ impl StateV1 {
             return bad(format!("the enabled mode {mode:?} is not valid"));
         }
         let ring = self.ring();
-        let offsets_ok = |o: u32| o % 4 == 0 && o < ring.size;
+        let offsets_ok = |o: u32| o.is_multiple_of(4) && o < ring.size;
         let ring_ok = if ring.enabled {
             ring.validate() && offsets_ok(ring.head) && offsets_ok(ring.tail)
         } else {
@@ -453,7 +453,10 @@ mod tests {
         let mut s = ok.clone();
         s.mode.enabled = true;
         s.mode.height = 4096;
-        assert!(s.check(fb_size).is_err(), "mode larger than the framebuffer");
+        assert!(
+            s.check(fb_size).is_err(),
+            "mode larger than the framebuffer"
+        );
         let mut s = ok.clone();
         s.irq_status = 1 << 7;
         assert!(s.check(fb_size).is_err());
