@@ -17,12 +17,17 @@
 //! Pins never outlive a program: they are released before the status is stored, and
 //! [`PciDevice::dma_unmap`], [`PciDevice::reset`] and [`PciDevice::disconnected`] abort a
 //! running program and wait until its pins are gone. [`Ccw::pins_held`] exposes the count.
+//!
+//! The device migrates ([`migration`]): STOP finishes the program doing I/O and holds
+//! back what has not happened yet (a START, a completion), which runs or is delivered at
+//! RUNNING, on the destination after a migration; the image is shared storage, not state.
 
 pub mod driver;
 pub mod format;
 pub mod idal;
 pub mod image;
 pub mod io;
+pub mod migration;
 pub mod parent;
 pub mod pins;
 pub mod program;
@@ -46,7 +51,7 @@ pub use parent::{CcwParent, CcwParentConfig, CcwType};
 
 use format::BLOCK_SIZE;
 use status::Fault;
-use worker::{Job, Shared, Worker};
+use worker::{Job, Shared, Task, Worker};
 
 /// PCI vendor ID of the ccw device (the unregistered "experimental" vendor ID that QEMU's
 /// stdvga also uses; pick your own for anything real).
@@ -101,6 +106,11 @@ pub struct Ccw {
     rx: Option<Receiver<Job>>,
     worker: Option<JoinHandle<()>>,
     irq: Interrupts,
+    /// Stopped for live migration (`migration.rs`): between STOP and RUNNING.
+    stopped: bool,
+    /// The program in flight while stopped, not started or not yet completed (the worker
+    /// set it aside, or it came with a loaded state): run or delivered at RUNNING.
+    held: Option<Task>,
     /// What the device borrowed from its parent (its image and its share of the budget),
     /// given back when it is dropped, after the image is flushed.
     lease: Option<parent::ImageLease>,
@@ -128,6 +138,8 @@ impl Ccw {
             rx: None,
             worker: None,
             irq: Interrupts::default(),
+            stopped: false,
+            held: None,
             lease: None,
         }
     }
@@ -189,8 +201,18 @@ impl Ccw {
             self.start_dropped = true;
             return;
         }
-        let job = Job {
+        let task = Task::Start {
             opb_addr: self.opb_addr,
+        };
+        if self.stopped {
+            // Stopped for migration: the program starts at RUNNING (here or on the
+            // destination).
+            self.held = Some(task);
+            self.start_dropped = false;
+            return;
+        }
+        let job = Job {
+            task,
             epoch: self.shared.epoch(),
         };
         if tx.try_send(job).is_err() {
@@ -332,10 +354,19 @@ impl PciDevice for Ccw {
             }
             Err(e) => tracing::error!(error = %e, "ccw: cannot spawn worker"),
         }
+        // A program held for migration stays held, and runs if the device already runs.
+        self.shared.flight().stopping = self.stopped;
+        if self.held.is_some() {
+            self.shared.busy.store(true, Ordering::SeqCst);
+            if !self.stopped {
+                self.submit_held();
+            }
+        }
     }
 
     fn reset(&mut self) {
         self.shared.cancel_all(self.rx.as_ref());
+        self.held = None;
         self.opb_addr = 0;
         self.start_dropped = false;
         let s = &self.shared;
@@ -355,9 +386,14 @@ impl PciDevice for Ccw {
 
     fn disconnected(&mut self) {
         self.shared.cancel_all(self.rx.as_ref());
+        self.held = None;
         if let Err(e) = self.flush() {
             tracing::warn!(error = %e, "ccw: image flush on disconnect failed");
         }
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn umdev::migration::Migrate> {
+        Some(self)
     }
 }
 

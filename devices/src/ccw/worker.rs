@@ -7,6 +7,24 @@
 //! with it through [`Flight`] (what phase the current program is in, and which pages it
 //! pins), so that DMA unmap, reset and disconnect can abort it and wait until it holds no
 //! pins.
+//!
+//! **Stopping for migration** ([`Flight::stopping`], set by the device's `Migrate::stop`,
+//! `migration.rs`): the worker finishes the program it is executing (pinned, image I/O
+//! under way) but starts nothing, and hands back to the device, as a [`Task`] in
+//! [`Flight::set_aside`], whatever has not happened yet:
+//!
+//! - a job it receives, or a program still validating (nothing of a program happens before
+//!   its pages are pinned: it only read guest memory) — `Task::Start`, run again from the
+//!   operation block after RUNNING; a guest read the server cancels for the stop ends the
+//!   validation at once instead of being retried;
+//! - the completion of a program that ran (status block, registers, interrupt) —
+//!   `Task::Deliver`, delivered after RUNNING; also when storing the status block was a
+//!   server→client DMA_WRITE the server cancelled for the stop.
+//!
+//! A completion the worker started to deliver before it saw the stop is delivered whole
+//! (the interrupt included) before the program's phase goes back to `Idle`, which is what
+//! the stop waits for. So the guest sees each program complete exactly once: before STOP,
+//! or after RUNNING (on the destination, if the device migrated).
 
 use std::cell::Cell;
 use std::fs::File;
@@ -28,13 +46,36 @@ use super::status::{Fault, StatusBlock, STATUS_BLOCK_SIZE};
 /// How long reset/unmap/disconnect wait for the worker before giving up (and logging).
 pub const WAIT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// One submitted operation block.
+/// One job for the worker.
 #[derive(Clone, Copy, Debug)]
 pub struct Job {
-    /// Guest address of the operation block.
-    pub opb_addr: u64,
+    /// What to do.
+    pub task: Task,
     /// The reset epoch the job was submitted in.
     pub epoch: u64,
+}
+
+/// What a job asks of the worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Task {
+    /// Run the operation block at this guest address (a START).
+    Start {
+        /// Guest address of the operation block.
+        opb_addr: u64,
+    },
+    /// Deliver the completion of a program that ran before a migration stop.
+    Deliver(Captured),
+}
+
+/// The completion of a program that ran but was not delivered because the device was
+/// stopping: what the status block says, and where it goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Captured {
+    /// Where to store the status block (`None`: no usable status block; the completion
+    /// sets `IRQ_STATUS_LOST`).
+    pub status_addr: Option<u64>,
+    /// How the program ended.
+    pub done: Completion,
 }
 
 /// The phase of the program the worker is running.
@@ -62,6 +103,11 @@ pub struct Flight {
     pub abort: bool,
     /// Ranges unmapped while the program was validating.
     pub unmapped: Vec<(u64, u64)>,
+    /// The device is stopping or stopped for migration: start nothing, deliver nothing
+    /// (see the module doc).
+    pub stopping: bool,
+    /// What the worker set aside because of `stopping`; the device takes it.
+    pub set_aside: Option<Task>,
 }
 
 /// State shared by the device (connection thread) and its worker.
@@ -152,6 +198,7 @@ impl Shared {
             let mut f = self.flight();
             f.epoch = f.epoch.wrapping_add(1);
             f.abort = true;
+            f.set_aside = None;
         }
         self.flight_cv.notify_all();
         if !self.wait_until(|f| matches!(f.phase, Phase::Idle)) {
@@ -224,6 +271,9 @@ struct Ending {
     done: Completion,
     /// Where to store the status block (None: unknown or unusable).
     status_addr: Option<u64>,
+    /// The program got past validation (its pages were registered for pinning): it did,
+    /// or tried to do, something. A program that did not can be run again from scratch.
+    executed: bool,
 }
 
 fn fail(fault: Fault, ccw_addr: u64, residual: u16) -> Completion {
@@ -251,12 +301,65 @@ impl Worker {
             if f.epoch != job.epoch {
                 return;
             }
-            f.phase = Phase::Validating;
+            if f.stopping {
+                f.set_aside = Some(job.task);
+                drop(f);
+                self.shared.flight_cv.notify_all();
+                return;
+            }
+            f.phase = match job.task {
+                Task::Start { .. } => Phase::Validating,
+                Task::Deliver(_) => Phase::Finishing,
+            };
             f.abort = false;
             f.unmapped.clear();
         }
-        let ending = self.program(job.epoch, job.opb_addr);
-        self.finish(job, ending);
+        let ending = match job.task {
+            Task::Start { opb_addr } => {
+                let ending = self.program(job.epoch, opb_addr);
+                {
+                    let mut f = self.shared.flight();
+                    if !ending.executed && f.stopping && f.epoch == job.epoch {
+                        // Nothing happened yet: run it again after RUNNING.
+                        f.set_aside = Some(job.task);
+                        f.phase = Phase::Idle;
+                        drop(f);
+                        self.shared.flight_cv.notify_all();
+                        return;
+                    }
+                }
+                let done = ending.done;
+                if matches!(done.fault, Fault::OutOfRange | Fault::ImageIo) {
+                    *self.shared.sense() = unit_check_sense(done.fault, done.image_offset);
+                }
+                ending
+            }
+            Task::Deliver(c) => Ending {
+                done: c.done,
+                status_addr: c.status_addr,
+                executed: true,
+            },
+        };
+        self.finish(job.epoch, ending);
+    }
+
+    /// While stopping: keep the completion for the device instead of delivering it.
+    /// Returns false if not stopping (or the job is stale: then it is dropped).
+    fn capture(&self, epoch: u64, ending: &Ending) -> bool {
+        let mut f = self.shared.flight();
+        if !f.stopping {
+            return false;
+        }
+        if f.epoch == epoch {
+            f.set_aside = Some(Task::Deliver(Captured {
+                status_addr: ending.status_addr,
+                done: ending.done,
+            }));
+        }
+        f.phase = Phase::Idle;
+        drop(f);
+        self.shared.flight_cv.notify_all();
+        true
     }
 
     /// A guest read for the job of `epoch`. A read the server cancelled (it waits for the
@@ -270,6 +373,7 @@ impl Worker {
                 Err(e)
                     if e.is_cancelled()
                         && self.shared.epoch() == epoch
+                        && !self.shared.flight().stopping
                         && Instant::now() < deadline =>
                 {
                     std::thread::sleep(Duration::from_millis(1));
@@ -284,6 +388,7 @@ impl Worker {
         let lost = |fault| Ending {
             done: fail(fault, 0, 0),
             status_addr: None,
+            executed: false,
         };
         if opb_addr & (OPB_ALIGN - 1) != 0 {
             return lost(Fault::OpBlockUnaligned);
@@ -298,7 +403,11 @@ impl Worker {
             return lost(read_fault(&e, Fault::StatusBlockInvalid));
         }
         let status_addr = Some(opb.status);
-        let ending = |done| Ending { done, status_addr };
+        let ending = |done| Ending {
+            done,
+            status_addr,
+            executed: false,
+        };
         if opb.flags & opb_flags::RESERVED != 0 || opb.reserved != 0 {
             return ending(fail(Fault::OpBlockReserved, opb.program, 0));
         }
@@ -339,12 +448,18 @@ impl Worker {
                 .unmapped
                 .iter()
                 .any(|&(iova, size)| range_intersects(&pfns, iova, size));
-            if f.abort || hit {
+            if f.abort || hit || f.stopping {
+                // Stopping: not executed, so set aside by `run_job`.
                 let first = program.steps.first().map_or(opb.program, |s| s.ccw_addr);
                 return ending(fail(Fault::Aborted, first, 0));
             }
             f.phase = Phase::Pinned(pfns);
         }
+        let ending = |done| Ending {
+            done,
+            status_addr,
+            executed: true,
+        };
         let pinned = match PinnedPages::pin(&self.dma, pages, &self.shared.pins_held) {
             Ok(p) => p,
             Err((pages, failure)) => {
@@ -372,14 +487,16 @@ impl Worker {
     }
 
     /// Store status, update registers, interrupt — unless the program was discarded by a
-    /// reset or disconnect.
-    fn finish(&self, job: Job, ending: Ending) {
+    /// reset or disconnect, or the device is stopping (then the completion is captured for
+    /// the device, see the module doc). The phase goes back to `Idle` only after the
+    /// interrupt, so a stop that waits for `Idle` never sees an interrupt after it.
+    fn finish(&self, epoch: u64, ending: Ending) {
         let done = ending.done;
-        if matches!(done.fault, Fault::OutOfRange | Fault::ImageIo) {
-            *self.shared.sense() = unit_check_sense(done.fault, done.image_offset);
-        }
-        if self.shared.epoch() != job.epoch {
+        if self.shared.epoch() != epoch {
             self.shared.set_phase(Phase::Idle);
+            return;
+        }
+        if self.capture(epoch, &ending) {
             return;
         }
         let (dstat, cstat) = done.fault.status();
@@ -396,6 +513,11 @@ impl Worker {
         let stored = match ending.status_addr {
             Some(addr) => match self.dma.write(addr, &block.to_bytes()) {
                 Ok(()) => true,
+                Err(e) if e.is_cancelled() && self.capture(epoch, &ending) => {
+                    // The server cancelled a DMA_WRITE to the client for a migration stop:
+                    // delivered (written again, whole) after RUNNING.
+                    return;
+                }
                 Err(e) => {
                     tracing::warn!(addr, error = %e, "ccw: cannot store status block");
                     false
@@ -407,8 +529,8 @@ impl Worker {
             tracing::warn!(fault = ?done.fault, ccw = done.ccw_addr, "ccw: program ended with error");
         }
         let fire = {
-            let mut f = self.shared.flight();
-            let current = f.epoch == job.epoch;
+            let f = self.shared.flight();
+            let current = f.epoch == epoch;
             if current {
                 let last =
                     u32::from(dstat) | u32::from(cstat) << 8 | u32::from(done.fault.code()) << 16;
@@ -422,13 +544,12 @@ impl Worker {
                 self.shared.irq_status.fetch_or(bits, Ordering::SeqCst);
                 self.shared.busy.store(false, Ordering::SeqCst);
             }
-            f.phase = Phase::Idle;
             current
         };
-        self.shared.flight_cv.notify_all();
         if fire {
             self.irq.trigger(0);
         }
+        self.shared.set_phase(Phase::Idle);
     }
 }
 
@@ -511,7 +632,7 @@ mod tests {
         let e = s.epoch();
         let (tx, rx) = crossbeam_channel::bounded(1);
         tx.send(Job {
-            opb_addr: 0,
+            task: Task::Start { opb_addr: 0 },
             epoch: e,
         })
         .unwrap();

@@ -156,6 +156,22 @@ impl Gtt {
         self.epoch = self.epoch.wrapping_add(1);
     }
 
+    /// Every entry, in order (what live migration saves: the entries, not the pins).
+    pub fn entries(&self) -> &[u64] {
+        &self.entries
+    }
+
+    /// Live migration load: replace every entry with `entries` (one per entry, checked by
+    /// the caller). Pins must have been taken first; pages are pinned again on first use.
+    pub fn load_entries(&mut self, entries: &[u64]) {
+        debug_assert_eq!(entries.len(), self.entries.len());
+        debug_assert_eq!(self.pinned, 0, "pins must be taken before a load");
+        let n = entries.len().min(self.entries.len());
+        self.entries[..n].copy_from_slice(&entries[..n]);
+        self.entries[n..].fill(0);
+        self.epoch = self.epoch.wrapping_add(1);
+    }
+
     /// Check entries `start..start+count` for a command; returns the (entry index, pfn) of
     /// those that still need a pin with the requested access.
     fn missing(&self, start: u32, count: u32, write: bool) -> Result<Vec<(usize, u64)>, GpuError> {

@@ -44,6 +44,10 @@
 //! - **disconnect**: as the unmap notifier, for everything (the server has unmapped every
 //!   region and closed the socket first, so a fetch of fd-less memory fails at once and new
 //!   pins fail). Device state is kept, so the work is not stopped.
+//! - **live migration STOP .. RUNNING** (`migration/`): the quiescing a reset does, kept
+//!   until RUNNING; nothing is dropped, the commands not executed stay published in the
+//!   ring and run after RUNNING (on the destination, after the state was loaded). PRE_COPY
+//!   reads the framebuffer while the work goes on.
 //! - **a second attach and `Drop`**: the fetcher is stopped and joined, the GPU's lane is
 //!   taken off the engine once its unit in progress (if any) has ended, then its pins are
 //!   released with the handle it used.
@@ -66,6 +70,7 @@ mod execute;
 pub mod framebuffer;
 pub mod gtt;
 mod handle;
+pub mod migration;
 pub mod parent;
 pub mod png_dump;
 pub mod regs;
@@ -134,6 +139,8 @@ pub struct Gpu {
     fb_size: u64,
     engine: Arc<RenderEngine>,
     weight: u32,
+    /// Live migration: stopped or not, what PRE_COPY sent or loaded (`migration/`).
+    mig: migration::Migration,
     /// What the GPU borrowed from its parent (returned when the device is dropped, after
     /// its work has stopped).
     _lease: Option<parent::Lease>,
@@ -175,6 +182,7 @@ impl Gpu {
             fb_size,
             engine,
             weight,
+            mig: Default::default(),
             _lease: None,
         })
     }
@@ -290,6 +298,8 @@ impl PciDevice for Gpu {
             Ok(w) => self.worker = Some(w),
             Err(e) => tracing::warn!(error = %e, "gpu: cannot start the fetcher or engine"),
         }
+        // A GPU stopped for migration stays stopped on its new worker.
+        self.mig.reattached(self.worker.as_ref());
         self.dma = Some(dma);
     }
 
@@ -328,6 +338,10 @@ impl PciDevice for Gpu {
 
     fn disconnected(&mut self) {
         self.release_all_pins();
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn umdev::migration::Migrate> {
+        Some(self)
     }
 }
 

@@ -23,10 +23,11 @@
 //! GPUs on it: it parks this GPU's lane instead of waiting ([`Gate::try_execute`]). This is
 //! what DEVICE_RESET needs (no completion of old work may show after the reset reply; the
 //! reset also drops the work the engine holds for this GPU, [`Quiesced::discard_work`])
-//! and what live migration's STOP will need (no DMA, no interrupt, no state change after
+//! and what live migration's STOP needs (no DMA, no interrupt, no state change after
 //! STOP is acknowledged; the commands not yet executed stay published in the ring,
-//! `RING_HEAD` says where to resume). A long ring stops at the next command boundary, it
-//! does not run to its end.
+//! `RING_HEAD` says where to resume): a stopped GPU keeps an owned [`Hold`] from STOP
+//! until RUNNING (`migration/`). A long ring stops at the next command boundary, it does
+//! not run to its end.
 //!
 //! Why waiting is safe: `quiesce` runs on the server's connection thread, which holds the
 //! device lock but none of the locks in [`Shared`] (the caller must not hold them either),
@@ -135,6 +136,19 @@ impl Worker {
         self.gate.pause();
         Quiesced { worker: self }
     }
+
+    /// [`Worker::quiesce`] with an owned guard: the same wait and the same guarantee, but
+    /// the [`Hold`] does not borrow the worker, so a device can keep its work stopped
+    /// across calls (migration: from STOP until RUNNING). The caller must not hold a lock
+    /// of [`Shared`].
+    pub fn hold(&self) -> Hold {
+        self.gate.pause();
+        Hold {
+            gate: self.gate.clone(),
+            engine: self.engine.clone(),
+            lane: self.lane,
+        }
+    }
 }
 
 impl Drop for Worker {
@@ -172,6 +186,30 @@ impl Drop for Quiesced<'_> {
     fn drop(&mut self) {
         self.worker.gate.resume();
         self.worker.engine.kick(self.worker.lane);
+    }
+}
+
+/// Proof that the GPU's work is quiescent, owned (see [`Worker::hold`]); dropping it lets
+/// the work go on. A hold that outlives its worker is harmless: the worker's gate is
+/// stopped for good and its lane is gone, so dropping the hold releases nothing.
+#[must_use = "the work resumes as soon as the hold is dropped"]
+pub struct Hold {
+    gate: Arc<Gate>,
+    engine: Arc<RenderEngine>,
+    lane: LaneId,
+}
+
+impl Hold {
+    /// As [`Quiesced::discard_work`].
+    pub fn discard_work(&self) {
+        self.engine.discard(self.lane);
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.gate.resume();
+        self.engine.kick(self.lane);
     }
 }
 
