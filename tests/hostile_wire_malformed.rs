@@ -176,7 +176,15 @@ fn cases(f: &Fds) -> Vec<Case> {
             EINVAL,
         ),
         case("second VERSION", Version, vec![0, 0, 0, 0], &[], EINVAL),
-        case("MIG_DATA_READ", MigDataRead, u32s(&[8, 16]), &[], ENOTSUP),
+        // Well formed (argsz covers the reply), to a device without migration.
+        case("MIG_DATA_READ", MigDataRead, u32s(&[24, 16]), &[], ENOTSUP),
+        case(
+            "MIG_DATA_READ argsz short",
+            MigDataRead,
+            u32s(&[8, 16]),
+            &[],
+            EINVAL,
+        ),
         case(
             "MIG_DATA_WRITE short",
             MigDataWrite,
