@@ -16,8 +16,9 @@
 # subregion" (qemu-devel, October 2025), which stops vfio_user_msix_teardown() in
 # hw/vfio-user/pci.c from deleting the MSI-X PBA subregion a second time. Without it QEMU
 # aborts (memory_region_del_subregion: Assertion 'subregion->container == mr') when it frees
-# an unplugged vfio-user-pci device that has MSI-X, which is what the request IRQ of
-# `umdev remove` leads to. The build is cached as qemu-10.2.2+unplug-fix (a stock build in
+# an unplugged vfio-user-pci device that has MSI-X, which is what every hot-unplug of an
+# umdev device leads to (`device_del`; 10.2.2's vfio-user-pci does not answer the request
+# IRQ of `umdev remove` itself). The build is cached as qemu-10.2.2+unplug-fix (a stock build in
 # qemu-10.2.2 is never taken for it) and its version string carries the marker
 # "umdev-unplug-fix" (`qemu-system-x86_64 --version`), by which umdev-vmtest tells that the
 # `unplug` guest run can use it. The whole suite uses this one build: the fix only changes
