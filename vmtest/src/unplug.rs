@@ -8,8 +8,8 @@
 //!
 //! | cue | actions | what must happen |
 //! |---|---|---|
-//! | `UMDEV-READY unplug remove` | `umdev remove A` (waits for the client); QMP `device_del gpu-a` unless QEMU answers the request IRQ itself; `umdev list` | the guest ejects A, QEMU frees it (no abort: the fix) and closes the socket, the removal succeeds without force, 0 pins left |
-//! | `UMDEV-READY unplug-busy remove` | `umdev remove B`; QMP `device_del gpu-b`; `umdev remove B --force`; `umdev list` | `busy` after the release timeout; QEMU refuses the unplug (no hotplug on `pcie.0`); `--force` disconnects QEMU, 0 pins left |
+//! | `UMDEV-READY unplug remove` | `umdev list`; `umdev remove A` (waits for the client); QMP `device_del gpu-a` unless QEMU answers the request IRQ itself; `umdev list` | A has a client and pinned pages before; the guest ejects A, QEMU frees it (no abort: the fix) and closes the socket, the removal succeeds without force, 0 pins left |
+//! | `UMDEV-READY unplug-busy remove` | `umdev list`; `umdev remove B`; QMP `device_del gpu-b`; `umdev remove B --force`; `umdev list` | B has a client and pinned pages before; `busy` after the release timeout; QEMU refuses the unplug (no hotplug on `pcie.0`); `--force` disconnects QEMU, 0 pins left |
 //!
 //! Why `device_del`: QEMU 10.2.2's `vfio-user-pci` never registers the device-request IRQ
 //! ([`crate::qemu_unplug`]), so the IRQ umdev signals reaches nobody and QEMU does not
@@ -237,6 +237,8 @@ pub fn act(
         };
         match (scenario, cue) {
             ("unplug", "remove") => {
+                // What A holds while the guest uses it (what the removal must release).
+                step.cli.push(run(&["list"]));
                 // The removal waits for the client; meanwhile QEMU must let go of A.
                 let (remove, rec, line) = std::thread::scope(|s| {
                     let remove = s.spawn(|| run(&["remove", GPU_A]));
@@ -258,6 +260,7 @@ pub fn act(
                 step.cli.push(run(&["list"]));
             }
             ("unplug-busy", "remove") => {
+                step.cli.push(run(&["list"]));
                 step.cli.push(run(&["remove", GPU_B]));
                 step.request_line = d.wait_log(GPU_B, &REQUEST_LINES, Duration::ZERO);
                 let rec = unplug_via_qmp(&mut qmp, qmp_path, "gpu-b", true, Duration::ZERO, t0);
@@ -295,6 +298,27 @@ fn listed(c: &Cli) -> Option<BTreeSet<String>> {
             .map(str::to_string)
             .collect(),
     )
+}
+
+/// `uuid` in a `umdev list --json` reply taken before its removal had a client attached and
+/// pinned guest pages (so the removal's "0 pins left" means pins were released).
+fn held_check(p: &str, c: &Cli, uuid: &str, v: &mut Vec<Check>) {
+    let j = c.json();
+    let entry = j
+        .as_ref()
+        .and_then(|v| v.pointer("/instances"))
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .find(|i| i.pointer("/uuid").and_then(Value::as_str) == Some(uuid))
+        });
+    let attached = entry.and_then(|e| e.pointer("/client_attached").and_then(Value::as_bool));
+    let pinned = entry.and_then(|e| e.pointer("/dma/pinned_pages").and_then(Value::as_u64));
+    v.push(Check::new(
+        format!("{p}.held_before"),
+        attached == Some(true) && pinned.is_some_and(|n| n > 0),
+        format_args!("before the removal: client_attached {attached:?}, pinned_pages {pinned:?}"),
+    ));
 }
 
 /// The daemon's log lines that mention `uuid` and contain `what`.
@@ -420,8 +444,9 @@ pub fn checks(
 
     if scenarios.contains(&"unplug") {
         let p = "unplug.host";
-        if let Some(s) = step(steps, "unplug", p, 2, &mut v) {
-            let (remove, list, q) = (&s.cli[0], &s.cli[1], &s.qmp[0]);
+        if let Some(s) = step(steps, "unplug", p, 3, &mut v) {
+            let (before, remove, list, q) = (&s.cli[0], &s.cli[1], &s.cli[2], &s.qmp[0]);
+            held_check(p, before, GPU_A, &mut v);
             measure("unplug", "remove_released", remove.elapsed);
             removal_checks(&format!("{p}.remove"), remove, false, requested, &mut v);
             request_check(p, s, qemu, &mut v);
@@ -462,8 +487,10 @@ pub fn checks(
 
     if scenarios.contains(&"unplug-busy") {
         let p = "unplug_busy.host";
-        if let Some(s) = step(steps, "unplug-busy", p, 3, &mut v) {
-            let (refused, forced, list, q) = (&s.cli[0], &s.cli[1], &s.cli[2], &s.qmp[0]);
+        if let Some(s) = step(steps, "unplug-busy", p, 4, &mut v) {
+            let (before, refused, forced, list, q) =
+                (&s.cli[0], &s.cli[1], &s.cli[2], &s.cli[3], &s.qmp[0]);
+            held_check(p, before, GPU_B, &mut v);
             measure("unplug-busy", "remove_refused", refused.elapsed);
             measure("unplug-busy", "remove_forced", forced.elapsed);
             let j = refused.json();
@@ -676,12 +703,21 @@ mod tests {
         format!(r#"{{"instances":[{}]}}"#, items.join(","))
     }
 
+    /// A list reply with `uuid` attached and holding `pinned` pages, beside the others.
+    fn list_holding(uuid: &str, pinned: u64) -> String {
+        format!(
+            r#"{{"instances":[{{"uuid":"{CCW}","client_attached":true,"dma":{{"pinned_pages":0}}}},
+            {{"uuid":"{uuid}","client_attached":true,"dma":{{"pinned_pages":{pinned}}}}}]}}"#
+        )
+    }
+
     fn busy_step(secs: u64, qemu_said: &str) -> Step {
         Step {
             scenario: "unplug-busy".into(),
             cue: "remove".into(),
             at: Duration::from_secs(30),
             cli: vec![
+                cli(0, &list_holding(GPU_B, 2), 0),
                 cli(1, r#"{"error":{"kind":"busy"}}"#, secs),
                 cli(0, &removed(true, false, 0, 0), 1),
                 cli(0, &list(&[GPU_A, CCW]), 0),
@@ -699,7 +735,7 @@ mod tests {
     }
 
     #[test]
-    fn test_checks_busy_early_or_qemu_unplugging_root_bus_fails() {
+    fn test_checks_busy_early_unpinned_or_qemu_unplugging_root_bus_fails() {
         let daemon = Stopped {
             alive_after_guest: true,
             exit: None,
@@ -719,6 +755,7 @@ mod tests {
         );
         for n in [
             "unplug_busy.host.cue_acted",
+            "unplug_busy.host.held_before",
             "unplug_busy.host.remove_busy",
             "unplug_busy.host.daemon_request_logged",
             "unplug_busy.host.qemu_refused_unplug",
@@ -765,6 +802,11 @@ mod tests {
             named(&v, "unplug_busy.host.daemon_request_logged"),
             Some(false)
         );
+        // Nothing pinned before the removal: "0 pins left" would prove nothing.
+        let mut unpinned = busy_step(10, refused);
+        unpinned.cli[0] = cli(0, &list_holding(GPU_B, 0), 0);
+        let (v, _) = checks(&["unplug-busy"], &[unpinned], None, &daemon, STOCK);
+        assert_eq!(named(&v, "unplug_busy.host.held_before"), Some(false));
         // A cue that never came fails.
         let (v, _) = checks(&["unplug-busy"], &[], None, &daemon, STOCK);
         assert_eq!(named(&v, "unplug_busy.host.cue_acted"), Some(false));
@@ -784,6 +826,7 @@ mod tests {
             cue: "remove".into(),
             at: Duration::from_secs(20),
             cli: vec![
+                cli(0, &list_holding(GPU_A, 2), 0),
                 cli(0, &removed(false, false, 0, 0), 6),
                 cli(0, &list(&[GPU_B, CCW]), 0),
             ],
@@ -800,6 +843,7 @@ mod tests {
         let ok = step(Some(Duration::from_secs(6)));
         let (v, _) = checks(&["unplug"], &[ok], None, &daemon, STOCK);
         for n in [
+            "unplug.host.held_before",
             "unplug.host.remove.reply",
             "unplug.host.remove.no_pins_left",
             "unplug.host.daemon_request_logged",
