@@ -11,12 +11,31 @@
 # lists vfio-user-pci. Otherwise QEMU 10.2.2 is built into the cache from Debian's source
 # package (about 15 minutes on 2 cores, once per machine). Progress goes to stderr; only the
 # answer goes to stdout.
+#
+# The build carries one upstream fix that 10.2.2 lacks: "vfio-user: Do not delete the
+# subregion" (qemu-devel, October 2025), which stops vfio_user_msix_teardown() in
+# hw/vfio-user/pci.c from deleting the MSI-X PBA subregion a second time. Without it QEMU
+# aborts (memory_region_del_subregion: Assertion 'subregion->container == mr') when it frees
+# an unplugged vfio-user-pci device that has MSI-X, which is what every hot-unplug of an
+# umdev device leads to (`device_del`; 10.2.2's vfio-user-pci does not answer the request
+# IRQ of `umdev remove` itself). The build is cached as qemu-10.2.2+unplug-fix (a stock build in
+# qemu-10.2.2 is never taken for it) and its version string carries the marker
+# "umdev-unplug-fix" (`qemu-system-x86_64 --version`), by which umdev-vmtest tells that the
+# `unplug` guest run can use it. The whole suite uses this one build: the fix only changes
+# the freeing of an unplugged device, which no other guest run does, and a second (stock)
+# build would add ~15 minutes to a fresh machine's first run for no coverage. A QEMU from
+# $QEMU_BIN or PATH is used as it is: without the marker the `unplug` run is skipped with a
+# message (UMDEV_QEMU_UNPLUG_FIX=1 declares a QEMU that has the fix).
 set -euo pipefail
 
 QEMU_DEB_VERSION="1:10.2.2+ds-1"
 QEMU_VERSION="10.2.2"
 CACHE="${UMDEV_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/umdev}"
-QEMU_PREFIX="$CACHE/qemu-$QEMU_VERSION"
+# The fix carried by the build and its marker in the version string (see the header; the
+# marker is also in vmtest/src/qemu_unplug.rs).
+QEMU_FIX="unplug-fix"
+QEMU_PKGVERSION="umdev-$QEMU_FIX"
+QEMU_PREFIX="$CACHE/qemu-$QEMU_VERSION+$QEMU_FIX"
 GUEST_DIR="$CACHE/guest"
 
 say() { printf 'qemu.sh: %s\n' "$*" >&2; }
@@ -38,6 +57,17 @@ usable_qemu() {
         return 1
     fi
     return 0
+}
+
+# Is the cached build there, usable, and the one with the fix (its version string has the
+# marker)?
+cached_qemu_ok() {
+    local bin="$QEMU_PREFIX/bin/qemu-system-x86_64"
+    usable_qemu "$bin" || return 1
+    if ! "$bin" --version 2>/dev/null | head -n1 | grep -qF "($QEMU_PKGVERSION)"; then
+        say "$bin has no '$QEMU_PKGVERSION' marker in its version: not used (it is rebuilt)"
+        return 1
+    fi
 }
 
 need_root_for_packages() {
@@ -69,9 +99,55 @@ debian_archive() {
     printf '%s\n' "$uri"
 }
 
+# The upstream fix "vfio-user: Do not delete the subregion" (qemu-devel, 2025-10-10,
+# Message-Id 20251010-vfio-v1-1-d7a6056539b7@rsg.ci.i.u-tokyo.ac.jp): vfio_user_msix_teardown()
+# runs from instance_finalize, when the PBA subregion has already been finalized, and its
+# memory_region_del_subregion() call trips an assertion. The patch deletes that call and the
+# lines that only fed it (the two locals, their assignments and a blank line), nothing else.
+# The function is checked before and after against its expected text, so a source that
+# differs in any way (another QEMU version, the fix already in) stops the build here.
+apply_unplug_fix() {
+    local file="$1/hw/vfio-user/pci.c" fn='/^static void vfio_user_msix_teardown(/,/^}/'
+    [ -f "$file" ] || die "unplug fix: $file not found"
+    local before after
+    before=$(sed -n "${fn}p" "$file")
+    local want_before='static void vfio_user_msix_teardown(VFIOPCIDevice *vdev)
+{
+    MemoryRegion *mr, *sub;
+
+    mr = vdev->bars[vdev->msix->pba_bar].mr;
+    sub = vdev->msix->pba_region;
+    memory_region_del_subregion(mr, sub);
+
+    g_free(vdev->msix->pba_region);
+    vdev->msix->pba_region = NULL;
+}'
+    local want_after='static void vfio_user_msix_teardown(VFIOPCIDevice *vdev)
+{
+    g_free(vdev->msix->pba_region);
+    vdev->msix->pba_region = NULL;
+}'
+    if [ "$before" != "$want_before" ]; then
+        printf '%s\n' "$before" >&2
+        die "unplug fix: vfio_user_msix_teardown() in $file is not the expected 10.2.2 text (above)"
+    fi
+    [ "$(grep -c 'memory_region_del_subregion(mr, sub);' "$file")" -eq 1 ] ||
+        die "unplug fix: 'memory_region_del_subregion(mr, sub);' is not in $file exactly once"
+    sed -i "${fn}{/^    MemoryRegion \*mr, \*sub;\$/,/^    memory_region_del_subregion(mr, sub);\$/d}" "$file"
+    sed -i "${fn}{/^{\$/{n;/^\$/d}}" "$file"
+    after=$(sed -n "${fn}p" "$file")
+    if [ "$after" != "$want_after" ]; then
+        printf '%s\n' "$after" >&2
+        die "unplug fix: vfio_user_msix_teardown() after the edit is not the expected text (above)"
+    fi
+    [ "$(grep -c 'memory_region_del_subregion(mr, sub);' "$file")" -eq 0 ] ||
+        die "unplug fix: the call is still in $file"
+    say "applied the upstream fix 'vfio-user: Do not delete the subregion' to $file"
+}
+
 build_qemu() {
-    local work="$CACHE/build-qemu"
-    say "no usable QEMU found: building QEMU $QEMU_VERSION from Debian's source package into $QEMU_PREFIX"
+    local work="$CACHE/build-qemu-$QEMU_FIX"
+    say "no usable QEMU found: building QEMU $QEMU_VERSION with the vfio-user unplug fix from Debian's source package into $QEMU_PREFIX"
     say "(about 15 minutes on 2 cores; done once per machine)"
     apt_install dpkg-dev ninja-build pkg-config libglib2.0-dev libpixman-1-dev flex bison gcc make \
         python3-venv seabios ipxe-qemu qemu-system-data
@@ -91,6 +167,7 @@ build_qemu() {
     local src
     src=$(find "$work" -maxdepth 1 -type d -name "qemu-$QEMU_VERSION*" | head -n1)
     [ -d "$src" ] || die "apt-get source did not unpack qemu-$QEMU_VERSION"
+    apply_unplug_fix "$src"
     say "installing meson from PyPI into a venv (Debian stable's meson is too old)"
     python3 -m venv "$work/venv" >&2
     "$work/venv/bin/pip" install -q 'meson>=1.5' >&2
@@ -100,14 +177,15 @@ build_qemu() {
         --python="$work/venv/bin/python3" \
         --target-list=x86_64-softmmu --disable-docs --disable-werror --disable-download \
         --disable-install-blobs --disable-gtk --disable-sdl --disable-opengl --disable-tools \
-        --disable-guest-agent --disable-rust --disable-xen --disable-spice >&2)
+        --disable-guest-agent --disable-rust --disable-xen --disable-spice \
+        --with-pkgversion="$QEMU_PKGVERSION" >&2)
     say "building (ninja -j$(nproc))"
     (cd "$src/build" && PATH="$work/venv/bin:$PATH" ninja -j"$(nproc)" qemu-system-x86_64 >&2)
     rm -rf "$QEMU_PREFIX"
     mkdir -p "$QEMU_PREFIX/bin"
     cp "$src/build/qemu-system-x86_64" "$QEMU_PREFIX/bin/"
     rm -rf "$work"
-    usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64" || die "the freshly built QEMU is not usable"
+    cached_qemu_ok || die "the freshly built QEMU is not usable or lacks the '$QEMU_PKGVERSION' marker"
     say "built $QEMU_PREFIX/bin/qemu-system-x86_64"
 }
 
@@ -124,14 +202,14 @@ find_qemu() {
     local onpath
     onpath=$(command -v qemu-system-x86_64 || true)
     if [ -n "$onpath" ] && usable_qemu "$onpath"; then printf '%s\n' "$onpath"; return; fi
-    if usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64"; then
+    if cached_qemu_ok 2>/dev/null; then
         ensure_firmware
         printf '%s\n' "$QEMU_PREFIX/bin/qemu-system-x86_64"; return
     fi
     mkdir -p "$CACHE"
     exec 9>"$CACHE/.qemu.lock"
     flock 9
-    if ! usable_qemu "$QEMU_PREFIX/bin/qemu-system-x86_64" 2>/dev/null; then
+    if ! cached_qemu_ok 2>/dev/null; then
         build_qemu
     fi
     printf '%s\n' "$QEMU_PREFIX/bin/qemu-system-x86_64"
@@ -199,7 +277,7 @@ case "${1:-}" in
         q=$(find_qemu); g=$(find_guest)
         printf 'QEMU_BIN=%q\nUMDEV_GUEST_DIR=%q\n' "$q" "$g" ;;
     -h|--help|"")
-        sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
         [ -n "${1:-}" ] ;;
     *) die "unknown command '$1' (try --help)" ;;
 esac

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # umdev's real-VMM suite: QEMU (>= 10.1, vfio-user-pci) boots a Debian guest kernel with
 # umdev's example devices attached; a static Rust program inside the guest drives them like a
-# guest driver. The first run on a machine builds QEMU (~15-25 minutes on 2 cores) and downloads
-# the guest kernel; later runs reuse them from ~/.cache/umdev.
+# guest driver. The first run on a machine builds QEMU 10.2.2 with one upstream unplug fix
+# (~15-25 minutes on 2 cores; scripts/qemu.sh says why) and downloads the guest kernel.
 #
 #   scripts/vm-tests.sh [umdev-vmtest options]     e.g. --only memfd --verbose; --help for all
 set -euo pipefail

@@ -30,7 +30,8 @@ use crate::mem::{DmaBuf, PAGE};
 use crate::pci::{command, STATUS_INTERRUPT};
 use crate::report::Report;
 use data::{expect_pattern, expect_untouched, Scatter};
-use dev::{last_status, Ccw, SENSE_OFF};
+pub use dev::Ccw;
+use dev::{last_status, SENSE_OFF};
 
 pub use io::run;
 

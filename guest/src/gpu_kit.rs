@@ -73,6 +73,11 @@ pub const FULL: Rect = (0, 0, W, H);
 /// invalid, interrupts off and acknowledged, `window` of the framebuffer written by the CPU).
 pub fn open(r: &mut Report, p: &str, window: Rect) -> Option<Gpu> {
     let dev = r.ok(&format!("{p}.find"), PciDev::find(VENDOR_ID, DEVICE_ID))?;
+    open_dev(r, p, window, dev)
+}
+
+/// [`open`] for a given function (a guest with several GPUs).
+pub fn open_dev(r: &mut Report, p: &str, window: Rect, dev: PciDev) -> Option<Gpu> {
     let uio = r.ok(&format!("{p}.uio_bind"), Uio::bind(&dev))?;
     r.ok(
         &format!("{p}.enable"),

@@ -15,6 +15,7 @@ mod mem;
 mod pci;
 mod report;
 mod uio;
+mod unplug;
 mod vfio;
 mod viommu;
 
@@ -64,6 +65,16 @@ const SCENARIOS: &[Scenario] = &[
         "ccw-plain",
         "ccw on plain RAM: data pages cannot be pinned",
         ccw::run_plain,
+    ),
+    (
+        "unplug",
+        "umdev remove of a GPU behind a root port: the guest ejects it, ccw keeps serving",
+        unplug::run,
+    ),
+    (
+        "unplug-busy",
+        "umdev remove of a GPU on pcie.0: refused, forced; the guest then reads all-ones",
+        unplug::run_busy,
     ),
     (
         "gpu-viommu",

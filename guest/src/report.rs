@@ -6,11 +6,16 @@
 //! UMDEV-MEASURE <scenario> <name> <value> <unit>
 //! UMDEV-END <scenario> <checks> <failures>
 //! UMDEV-IMAGE <scenario> <name> <offset> <len> <seed>
+//! UMDEV-READY <scenario> <cue>
 //! ```
 //!
 //! `UMDEV-IMAGE` tells the host what the ccw server's image must hold after the run: image
 //! bytes `offset..offset + len` are `umdev_devices::ccw::driver::pattern` of `seed`; the
 //! host checks the file once the server has stopped.
+//!
+//! `UMDEV-READY` is a cue for the host to act now while the scenario waits (the `unplug`
+//! guest run removes an instance when it sees one); the scenario bounds its wait and checks
+//! the outcome itself.
 //!
 //! Names are single words (`[a-z0-9_.-]`). A scenario that panics or hangs never prints its
 //! END line; the host counts that as a failure.
@@ -88,6 +93,12 @@ impl Report {
             "UMDEV-IMAGE {} {name} {offset} {len} {seed}",
             self.scenario
         ));
+    }
+
+    /// Tell the host that the scenario is ready for its action `cue` (it waits for the
+    /// effect itself).
+    pub fn ready(&self, cue: &str) {
+        self.line(format_args!("UMDEV-READY {} {cue}", self.scenario));
     }
 
     /// A free-form progress line (not parsed).

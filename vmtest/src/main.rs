@@ -6,21 +6,40 @@
 //!
 //! Run it through `scripts/vm-tests.sh`, which finds or builds QEMU and the guest kernel
 //! and builds the binaries; `--help` lists the options.
+//!
+//! The `unplug` run serves its devices from one `umdev daemon` instead and removes
+//! instances while the guest uses them (`unplug.rs`, QMP through `qmp.rs`); it needs a QEMU
+//! with the vfio-user unplug fix and is skipped, with the reason, without one
+//! (`qemu_unplug.rs`).
 
+mod daemon;
 mod image;
 mod initramfs;
 mod qemu;
+mod qemu_unplug;
+mod qmp;
 mod report;
 mod server;
+mod unplug;
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 
-use qemu::{Accel, Ram, Vm};
+use qemu::{Accel, Attach, Ram, Run, Vm};
 use report::{Check, GuestLog, Measure};
 use server::{Bins, Kind, Server};
+
+/// Who serves a guest run's devices.
+#[derive(Clone, Copy, Debug)]
+enum Servers {
+    /// One process per device (`umdev run gpu|ccw`, `hello --serve`), each on the root bus.
+    Processes(&'static [Kind]),
+    /// One `umdev daemon` with the instances of [`unplug`], removed at the guest's cues.
+    UnplugDaemon,
+}
 
 /// One guest run: which servers, which RAM mode, which guest scenarios.
 struct Plan {
@@ -29,10 +48,12 @@ struct Plan {
     ram: Ram,
     viommu: bool,
     allow_reboot: bool,
-    devices: &'static [Kind],
+    servers: Servers,
     scenarios: &'static [&'static str],
     /// Host-side checks of this run beyond every server's own (None: none).
     host_checks: Option<HostChecks>,
+    /// Needs a QEMU with the vfio-user unplug fix (`qemu_unplug.rs`); skipped without.
+    needs_unplug_fix: bool,
 }
 
 /// Host-side checks of a run, from the guest's console and the stopped servers.
@@ -46,9 +67,10 @@ const PLANS: &[Plan] = &[
         ram: Ram::Memfd,
         viommu: false,
         allow_reboot: false,
-        devices: &[Kind::Hello, Kind::Gpu, Kind::Ccw],
+        servers: Servers::Processes(&[Kind::Hello, Kind::Gpu, Kind::Ccw]),
         scenarios: &["hello", "gpu", "gpu-bme", "ccw", "ccw-intx", "ccw-bme"],
         host_checks: None,
+        needs_unplug_fix: false,
     },
     Plan {
         name: "plain",
@@ -56,9 +78,10 @@ const PLANS: &[Plan] = &[
         ram: Ram::Plain,
         viommu: false,
         allow_reboot: false,
-        devices: &[Kind::Hello, Kind::Gpu, Kind::Ccw],
+        servers: Servers::Processes(&[Kind::Hello, Kind::Gpu, Kind::Ccw]),
         scenarios: &["hello", "gpu-plain", "ccw-plain"],
         host_checks: None,
+        needs_unplug_fix: false,
     },
     Plan {
         name: "viommu",
@@ -66,9 +89,22 @@ const PLANS: &[Plan] = &[
         ram: Ram::Memfd,
         viommu: true,
         allow_reboot: true,
-        devices: &[Kind::Gpu],
+        servers: Servers::Processes(&[Kind::Gpu]),
         scenarios: &["gpu-viommu"],
         host_checks: Some(viommu_checks),
+        needs_unplug_fix: false,
+    },
+    Plan {
+        name: "unplug",
+        what: "umdev daemon instances removed while the guest uses them (hot-unplug, busy, \
+               force)",
+        ram: Ram::Memfd,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::UnplugDaemon,
+        scenarios: &["unplug", "unplug-busy"],
+        host_checks: None,
+        needs_unplug_fix: true,
     },
 ];
 
@@ -126,8 +162,11 @@ enum AccelArg {
     after_help = "Usually run as scripts/vm-tests.sh, which supplies every path below.\n\
 Guest runs:\n  memfd    guest RAM as a shared memfd (devices pin guest pages)\n  \
 plain    plain guest RAM (DMA_READ/DMA_WRITE; pins refused with a hint)\n  \
-viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n\
-Exit status: 0 if every check passed, 1 if one failed, 2 on a setup error."
+viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
+unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
+vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
+Exit status: 0 if every check passed (skipped runs included), 1 if one failed, 2 on a\n\
+setup error."
 )]
 struct Args {
     /// qemu-system-x86_64 (>= 10.1 with vfio-user-pci).
@@ -175,6 +214,15 @@ struct Args {
     /// Cache for the KVM verdict (default ~/.cache/umdev).
     #[arg(long, env = "UMDEV_CACHE_DIR", value_name = "DIR")]
     cache_dir: Option<PathBuf>,
+    /// Whether QEMU has the vfio-user unplug fix the `unplug` run needs [default: it has if
+    /// its version line carries the "(umdev-unplug-fix)" marker of scripts/qemu.sh's build].
+    #[arg(
+        long,
+        env = qemu_unplug::ENV,
+        value_name = "1|0",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    qemu_unplug_fix: Option<bool>,
 }
 
 fn cache_dir(args: &Args) -> PathBuf {
@@ -218,12 +266,14 @@ fn kvm_works(args: &Args, work: &Path) -> bool {
         ram: Ram::Plain,
         viommu: false,
         allow_reboot: false,
-        sockets: vec![],
+        devices: vec![],
         append: "earlyprintk=ttyS0".into(),
         timeout: Duration::from_secs(20),
         echo: false,
         stderr_log: work.join("kvm-probe.stderr"),
         stop_at: Some("Linux version"),
+        watch: None,
+        qmp: None,
     };
     let ok = vm
         .run()
@@ -253,108 +303,156 @@ fn selected<'a>(plan: &'a Plan, args: &Args) -> Vec<&'a str> {
 }
 
 fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -> Outcome {
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        return Outcome {
+            checks: vec![Check::new(format!("{}.setup", plan.name), false, e)],
+            measures: vec![],
+            notes: vec![],
+        };
+    }
+    match plan.servers {
+        Servers::Processes(kinds) => run_processes(plan, kinds, args, accel, initrd, dir),
+        Servers::UnplugDaemon => run_unplug(plan, args, accel, initrd, dir),
+    }
+}
+
+/// The QEMU run of `plan` with these devices.
+fn vm<'a>(
+    plan: &Plan,
+    args: &'a Args,
+    accel: Accel,
+    kernel: &'a Path,
+    initrd: &'a Path,
+    dir: &Path,
+    devices: Vec<Attach>,
+) -> Vm<'a> {
+    Vm {
+        qemu: &args.qemu,
+        accel,
+        kernel,
+        initrd: Some(initrd),
+        mem_mib: 512,
+        ram: plan.ram,
+        viommu: plan.viommu,
+        allow_reboot: plan.allow_reboot,
+        devices,
+        append: format!("umdev.scenarios={}", selected(plan, args).join(",")),
+        timeout: Duration::from_secs(args.timeout),
+        echo: args.verbose,
+        stderr_log: dir.join("qemu.stderr"),
+        stop_at: None,
+        watch: None,
+        qmp: None,
+    }
+}
+
+/// What the guest said and QEMU did, as checks, measures and notes; the parsed console.
+fn guest_results(
+    run: &std::io::Result<Run>,
+    scenarios: &[&str],
+    dir: &Path,
+) -> (Outcome, Option<GuestLog>) {
+    let mut out = Outcome {
+        checks: vec![],
+        measures: vec![],
+        notes: vec![],
+    };
+    let run = match run {
+        Err(e) => {
+            out.checks.push(Check::new("qemu.start", false, e));
+            return (out, None);
+        }
+        Ok(run) => run,
+    };
+    let _ = std::fs::write(
+        dir.join("console.log"),
+        run.console
+            .iter()
+            .map(|(t, l)| format!("{:8.3} {l}\n", t.as_secs_f64()))
+            .collect::<String>(),
+    );
+    let log = GuestLog::parse(run.console.iter().map(|(_, l)| l.as_str()));
+    out.checks.push(Check::new(
+        "qemu.exit",
+        run.exit.is_some_and(|s| s.success()) && !run.timed_out,
+        if run.timed_out {
+            format!("timed out after {:?}", run.elapsed)
+        } else {
+            format!("{:?}", run.exit)
+        },
+    ));
+    if let Some(t) = run.time_to("UMDEV-BOOT") {
+        out.measures.push(Measure {
+            scenario: "boot".into(),
+            name: "boot_to_init".into(),
+            value: t.as_secs_f64(),
+            unit: "s".into(),
+        });
+    }
+    if let Some(t) = run.reboot_to_init() {
+        out.measures.push(Measure {
+            scenario: "boot".into(),
+            name: "reboot_to_init".into(),
+            value: t.as_secs_f64(),
+            unit: "s".into(),
+        });
+    }
+    for s in scenarios {
+        out.checks.push(Check::new(
+            format!("{s}.ended"),
+            log.ended.iter().any(|e| e == *s),
+            "the scenario printed its END line",
+        ));
+    }
+    out.checks.extend(log.checks.iter().cloned());
+    out.measures.extend(log.measures.iter().cloned());
+    out.notes
+        .extend(log.trouble.iter().map(|t| format!("guest: {t}")));
+    out.notes.extend(
+        run.stderr
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| format!("qemu: {l}")),
+    );
+    (out, Some(log))
+}
+
+/// A run with one server process per device.
+fn run_processes(
+    plan: &Plan,
+    kinds: &[Kind],
+    args: &Args,
+    accel: Accel,
+    initrd: &Path,
+    dir: &Path,
+) -> Outcome {
     let scenarios = selected(plan, args);
     let mut checks = Vec::new();
-    let mut notes = Vec::new();
     let bins = Bins {
         umdev: args.umdev.clone(),
         hello: args.hello.clone(),
     };
-    if let Err(e) = std::fs::create_dir_all(dir) {
-        checks.push(Check::new(format!("{}.setup", plan.name), false, e));
-        return Outcome {
-            checks,
-            measures: vec![],
-            notes,
-        };
-    }
     let mut servers = Vec::new();
-    for &k in plan.devices {
+    for &k in kinds {
         match Server::start(k, &bins, dir, &args.server_log) {
             Ok(s) => servers.push(s),
             Err(e) => checks.push(Check::new(format!("{}.server_start", k.name()), false, e)),
         }
     }
     let kernel = args.guest_dir.join("vmlinuz");
-    let vm = Vm {
-        qemu: &args.qemu,
-        accel,
-        kernel: &kernel,
-        initrd: Some(initrd),
-        mem_mib: 512,
-        ram: plan.ram,
-        viommu: plan.viommu,
-        allow_reboot: plan.allow_reboot,
-        sockets: servers.iter().map(|s| s.socket.clone()).collect(),
-        append: format!("umdev.scenarios={}", scenarios.join(",")),
-        timeout: Duration::from_secs(args.timeout),
-        echo: args.verbose,
-        stderr_log: dir.join("qemu.stderr"),
-        stop_at: None,
-    };
-    let mut measures = Vec::new();
-    let mut guest_log = None;
-    match vm.run() {
-        Err(e) => checks.push(Check::new("qemu.start", false, e)),
-        Ok(run) => {
-            let _ = std::fs::write(
-                dir.join("console.log"),
-                run.console
-                    .iter()
-                    .map(|(t, l)| format!("{:8.3} {l}\n", t.as_secs_f64()))
-                    .collect::<String>(),
-            );
-            let log = GuestLog::parse(run.console.iter().map(|(_, l)| l.as_str()));
-            checks.push(Check::new(
-                "qemu.exit",
-                run.exit.is_some_and(|s| s.success()) && !run.timed_out,
-                if run.timed_out {
-                    format!("timed out after {:?}", run.elapsed)
-                } else {
-                    format!("{:?}", run.exit)
-                },
-            ));
-            if let Some(t) = run.time_to("UMDEV-BOOT") {
-                measures.push(Measure {
-                    scenario: "boot".into(),
-                    name: "boot_to_init".into(),
-                    value: t.as_secs_f64(),
-                    unit: "s".into(),
-                });
-            }
-            if let Some(t) = run.reboot_to_init() {
-                measures.push(Measure {
-                    scenario: "boot".into(),
-                    name: "reboot_to_init".into(),
-                    value: t.as_secs_f64(),
-                    unit: "s".into(),
-                });
-            }
-            for s in &scenarios {
-                checks.push(Check::new(
-                    format!("{s}.ended"),
-                    log.ended.iter().any(|e| e == *s),
-                    "the scenario printed its END line",
-                ));
-            }
-            checks.extend(log.checks.iter().cloned());
-            measures.extend(log.measures.iter().cloned());
-            notes.extend(log.trouble.iter().map(|t| format!("guest: {t}")));
-            notes.extend(
-                run.stderr
-                    .lines()
-                    .filter(|l| !l.trim().is_empty())
-                    .map(|l| format!("qemu: {l}")),
-            );
-            guest_log = Some(log);
-        }
-    }
+    let devices = servers
+        .iter()
+        .map(|s| Attach::root_bus(s.socket.clone()))
+        .collect();
+    let run = vm(plan, args, accel, &kernel, initrd, dir, devices).run();
+    let (mut out, guest_log) = guest_results(&run, &scenarios, dir);
+    checks.append(&mut out.checks);
     let stopped: Vec<server::Outcome> = servers.into_iter().map(Server::stop).collect();
-    for out in &stopped {
+    for s in &stopped {
         // The pin-refusal hint is logged only if a scenario of this device tried to pin.
         let pinned_fdless =
-            plan.ram == Ram::Plain && scenarios.iter().any(|sc| sc.starts_with(out.kind.name()));
-        checks.extend(out.checks(pinned_fdless));
+            plan.ram == Ram::Plain && scenarios.iter().any(|sc| sc.starts_with(s.kind.name()));
+        checks.extend(s.checks(pinned_fdless));
     }
     // Only now: the ccw server has stopped and flushed its image.
     if let Some(log) = guest_log.as_ref().filter(|l| !l.images.is_empty()) {
@@ -365,9 +463,96 @@ fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -
     }
     Outcome {
         checks,
-        measures,
-        notes,
+        measures: out.measures,
+        notes: out.notes,
     }
+}
+
+/// The `unplug` run: a daemon, its instances, QEMU, and the removals at the guest's cues.
+fn run_unplug(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -> Outcome {
+    let scenarios = selected(plan, args);
+    let daemon = match daemon::Daemon::start(&args.umdev, dir, unplug::RELEASE, &args.server_log) {
+        Ok(d) => d,
+        Err(e) => {
+            return Outcome {
+                checks: vec![Check::new("daemon.start", false, e)],
+                measures: vec![],
+                notes: vec![],
+            }
+        }
+    };
+    let devices = match unplug::create(&daemon) {
+        Ok(d) => d,
+        Err(failed) => {
+            let stopped = daemon.stop();
+            return Outcome {
+                checks: failed,
+                measures: vec![],
+                notes: stopped
+                    .log
+                    .lines()
+                    .map(|l| format!("daemon: {l}"))
+                    .collect(),
+            };
+        }
+    };
+    let qemu_side = match qemu_unplug::handles_request_irq(&args.qemu) {
+        Ok(h) => unplug::QemuSide {
+            handles_request_irq: h,
+        },
+        Err(e) => {
+            let stopped = daemon.stop();
+            return Outcome {
+                checks: vec![Check::new("unplug.qemu_probe", false, e)],
+                measures: vec![],
+                notes: stopped
+                    .log
+                    .lines()
+                    .map(|l| format!("daemon: {l}"))
+                    .collect(),
+            };
+        }
+    };
+    eprintln!(
+        "  QEMU's vfio-user-pci {} the device-request IRQ{}",
+        if qemu_side.handles_request_irq {
+            "answers"
+        } else {
+            "does not answer (no x-req)"
+        },
+        if qemu_side.handles_request_irq {
+            ""
+        } else {
+            ": the harness unplugs with QMP device_del"
+        }
+    );
+    let kernel = args.guest_dir.join("vmlinuz");
+    let qmp = dir.join("qmp.sock");
+    let (tx, rx) = mpsc::channel();
+    let (run, steps) = std::thread::scope(|s| {
+        let actor = s.spawn(|| unplug::act(rx, &daemon, &qmp, qemu_side));
+        let mut vm = vm(plan, args, accel, &kernel, initrd, dir, devices);
+        // The console goes to the actor as it comes; QMP is how it unplugs.
+        vm.watch = Some(tx);
+        vm.qmp = Some(qmp.clone());
+        let run = vm.run();
+        // The console's last sender goes with the VM: the actor sees the end and returns.
+        drop(vm);
+        (run, actor.join().unwrap_or_default())
+    });
+    let (mut out, guest_log) = guest_results(&run, &scenarios, dir);
+    let image = daemon.ccw_image(unplug::CCW);
+    let stopped = daemon.stop();
+    let (checks, measures) =
+        unplug::checks(&scenarios, &steps, run.as_ref().ok(), &stopped, qemu_side);
+    out.checks.extend(checks);
+    out.measures.extend(measures);
+    out.notes.extend(unplug::notes(&steps, &stopped));
+    // Only now: the daemon has stopped and the ccw image is flushed.
+    if let Some(log) = guest_log.as_ref().filter(|l| !l.images.is_empty()) {
+        out.checks.extend(image::checks(&image, &log.images));
+    }
+    out
 }
 
 fn main() {
@@ -435,6 +620,7 @@ fn run(args: &Args) -> Result<bool, String> {
     );
     let t0 = Instant::now();
     let (mut total, mut failed) = (0usize, 0usize);
+    let mut skipped = Vec::new();
     let mut all_measures = Vec::new();
     let plans = PLANS.iter().filter(|p| {
         (args.only.is_empty() || args.only.iter().any(|n| n == p.name))
@@ -447,6 +633,16 @@ fn run(args: &Args) -> Result<bool, String> {
             plan.what,
             selected(plan, args).join(" ")
         );
+        if plan.needs_unplug_fix {
+            match qemu_unplug::fix(&args.qemu, args.qemu_unplug_fix) {
+                Ok(why) => eprintln!("  QEMU has the vfio-user unplug fix: {why}"),
+                Err(why) => {
+                    eprintln!("  SKIPPED: QEMU {}: {why}", args.qemu.display());
+                    skipped.push(plan.name);
+                    continue;
+                }
+            }
+        }
         let started = Instant::now();
         let out = run_plan(plan, args, accel, &initrd, &work.join(plan.name));
         for c in &out.checks {
@@ -485,6 +681,12 @@ fn run(args: &Args) -> Result<bool, String> {
         "\nvmtest: {total} checks, {failed} failed, wall {:.0} s",
         t0.elapsed().as_secs_f64()
     );
+    if !skipped.is_empty() {
+        eprintln!(
+            "vmtest: SKIPPED guest runs: {} (QEMU lacks the vfio-user unplug fix; see above)",
+            skipped.join(", ")
+        );
+    }
     if failed > 0 {
         eprintln!("vmtest: logs kept in {}", work.display());
     } else if let Some(t) = temp {

@@ -1,10 +1,12 @@
 //! One QEMU run: the command line (q35, TCG or KVM, guest RAM as a shared memfd or plain,
-//! optionally an intel-iommu in caching mode, one `vfio-user-pci` per server), the serial
-//! console collected line by line with timestamps, a timeout.
+//! optionally an intel-iommu in caching mode, one `vfio-user-pci` per server, on the root
+//! bus or behind a hotplug-capable `pcie-root-port`), the serial console collected line by
+//! line with timestamps (and passed on as it comes to whoever watches it), a timeout.
 
 use std::io::{self, BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +37,37 @@ impl Accel {
     }
 }
 
+/// Where a `vfio-user-pci` device sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot {
+    /// On q35's root bus `pcie.0`: no hotplug (QEMU refuses to unplug it).
+    RootBus,
+    /// Behind its own `pcie-root-port` (a hotplug slot; the guest ejects it when asked).
+    RootPort,
+}
+
+/// One `vfio-user-pci` device.
+#[derive(Clone, Debug)]
+pub struct Attach {
+    /// Its vfio-user socket.
+    pub socket: PathBuf,
+    /// Where it sits.
+    pub slot: Slot,
+    /// Its QEMU device id (for QMP's `device_del`), if it needs one.
+    pub id: Option<String>,
+}
+
+impl Attach {
+    /// A device on the root bus, without an id.
+    pub fn root_bus(socket: PathBuf) -> Attach {
+        Attach {
+            socket,
+            slot: Slot::RootBus,
+            id: None,
+        }
+    }
+}
+
 /// Everything one run needs.
 pub struct Vm<'a> {
     /// The QEMU binary.
@@ -53,8 +86,10 @@ pub struct Vm<'a> {
     pub viommu: bool,
     /// Let the guest reboot (otherwise a reboot ends QEMU).
     pub allow_reboot: bool,
-    /// vfio-user sockets, one `vfio-user-pci` each.
-    pub sockets: Vec<PathBuf>,
+    /// The `vfio-user-pci` devices, in this order on the command line.
+    pub devices: Vec<Attach>,
+    /// A QMP monitor on this unix socket (QEMU creates it).
+    pub qmp: Option<PathBuf>,
     /// Extra kernel command line.
     pub append: String,
     /// Give up after this long.
@@ -65,6 +100,9 @@ pub struct Vm<'a> {
     pub stderr_log: PathBuf,
     /// Stop as soon as a console line contains this (used by the KVM probe).
     pub stop_at: Option<&'static str>,
+    /// Gets every console line as it comes, with its time (a guest run whose host side
+    /// acts on the guest's cues). Sends that fail (nobody listening) are ignored.
+    pub watch: Option<Sender<(Duration, String)>>,
 }
 
 /// What a run produced.
@@ -156,14 +194,35 @@ impl Vm<'_> {
         if !self.allow_reboot {
             c.arg("-no-reboot");
         }
-        for s in &self.sockets {
+        let mut ports = 0;
+        for d in &self.devices {
+            let bus = match d.slot {
+                Slot::RootBus => String::new(),
+                Slot::RootPort => {
+                    ports += 1;
+                    // One chassis, a slot number per port (two ports may not share both).
+                    c.args([
+                        "-device",
+                        &format!("pcie-root-port,id=rp{ports},chassis=1,slot={ports}"),
+                    ]);
+                    format!(r#""bus":"rp{ports}","#)
+                }
+            };
+            let id =
+                d.id.as_ref()
+                    .map(|id| format!(r#""id":"{id}","#))
+                    .unwrap_or_default();
             c.args([
                 "-device",
                 &format!(
-                    r#"{{"driver":"vfio-user-pci","socket":{{"type":"unix","path":"{}"}}}}"#,
-                    s.display()
+                    r#"{{"driver":"vfio-user-pci",{id}{bus}"socket":{{"type":"unix","path":"{}"}}}}"#,
+                    d.socket.display()
                 ),
             ]);
+        }
+        if let Some(q) = &self.qmp {
+            c.arg("-qmp")
+                .arg(format!("unix:{},server=on,wait=off", q.display()));
         }
         c
     }
@@ -186,6 +245,7 @@ impl Vm<'_> {
             let console = console.clone();
             let stop_hit = stop_hit.clone();
             let (echo, stop_at) = (self.echo, self.stop_at);
+            let watch = self.watch.clone();
             std::thread::spawn(move || {
                 let mut r = BufReader::new(out);
                 let mut buf = Vec::new();
@@ -198,10 +258,14 @@ impl Vm<'_> {
                     if stop_at.is_some_and(|m| line.contains(m)) {
                         stop_hit.store(true, std::sync::atomic::Ordering::Release);
                     }
+                    let at = start.elapsed();
+                    if let Some(w) = &watch {
+                        let _ = w.send((at, line.clone()));
+                    }
                     console
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .push((start.elapsed(), line));
+                        .push((at, line));
                 }
             })
         };
