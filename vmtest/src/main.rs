@@ -165,8 +165,8 @@ plain    plain guest RAM (DMA_READ/DMA_WRITE; pins refused with a hint)\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
 unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
 vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
-Exit status: 0 if every check passed (skipped runs included), 1 if one failed, 2 on a\n\
-setup error."
+Exit status: 0 if every check passed (skipped runs included, unless --no-skip), 1 if one\n\
+failed, 2 on a setup error."
 )]
 struct Args {
     /// qemu-system-x86_64 (>= 10.1 with vfio-user-pci).
@@ -203,6 +203,10 @@ struct Args {
     /// Echo the guest console as it comes.
     #[arg(short, long)]
     verbose: bool,
+    /// A guest run that would be skipped (a QEMU without the unplug fix) fails instead
+    /// (CI: the suite fails, never skips).
+    #[arg(long, env = "UMDEV_VMTEST_NO_SKIP")]
+    no_skip: bool,
     /// RUST_LOG of the servers (e.g. `debug` shows every DMA_MAP/DMA_UNMAP).
     #[arg(
         long,
@@ -636,6 +640,12 @@ fn run(args: &Args) -> Result<bool, String> {
         if plan.needs_unplug_fix {
             match qemu_unplug::fix(&args.qemu, args.qemu_unplug_fix) {
                 Ok(why) => eprintln!("  QEMU has the vfio-user unplug fix: {why}"),
+                Err(why) if args.no_skip => {
+                    eprintln!("  FAIL: QEMU {}: {why} (--no-skip)", args.qemu.display());
+                    total += 1;
+                    failed += 1;
+                    continue;
+                }
                 Err(why) => {
                     eprintln!("  SKIPPED: QEMU {}: {why}", args.qemu.display());
                     skipped.push(plan.name);
