@@ -412,26 +412,23 @@ fn test_bench_instances_quick_json_has_every_row() {
         assert_eq!(creates.len(), n, "{what}: one create time per instance");
         assert!(creates.iter().all(|x| x.is_finite() && *x > 0.0), "{what}");
         assert_summary(&p["create_ms"], n, &what);
-        for sample in ["before", "idle", "serving"] {
-            for key in [
-                "rss_kib",
-                "anon_kib",
-                "file_kib",
-                "shmem_kib",
-                "threads",
-                "fds",
-            ] {
-                assert!(p[sample][key].as_u64().is_some(), "{what}: {sample}.{key}");
-            }
-        }
-        for key in [
+        let keys = [
             "rss_kib",
             "anon_kib",
             "file_kib",
             "shmem_kib",
             "threads",
             "fds",
-        ] {
+            "smaps_rss_kib",
+            "smaps_anon_kib",
+            "smaps_shmem_kib",
+        ];
+        for sample in ["before", "idle", "serving"] {
+            for key in keys {
+                assert!(p[sample][key].as_u64().is_some(), "{what}: {sample}.{key}");
+            }
+        }
+        for key in keys {
             assert!(
                 p["idle_per_instance"][key].as_f64().is_some(),
                 "{what}: idle_per_instance.{key}"

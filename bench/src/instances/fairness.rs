@@ -596,6 +596,9 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
             }
         }
         flooders.iter().for_each(|f| f.set(PAUSE));
+        if let Some(e) = flooders.iter().find_map(Flooder::failed) {
+            return Err(BenchError::Workload(e.into()));
+        }
         fence.unloaded = summarize(&fence.unloaded_us);
         fence.loaded = summarize(&fence.loaded_us);
         fence.doorbell_unloaded = summarize(&fence.doorbell_unloaded_us);

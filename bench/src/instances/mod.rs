@@ -376,8 +376,10 @@ fn notes(types: &[String], isolation: &str) -> Vec<String> {
         ),
         format!(
             "idle cost = (after - before) / N of /proc/self/status VmRSS (RssAnon, RssFile, \
-             RssShmem) and Threads and of the /proc/self/fd entries; before = the registry \
-             and parents set up, after = the last create plus {} ms; each point {}",
+             RssShmem) and Threads, of /proc/self/smaps_rollup Rss (a page-table walk: \
+             exact, where VmRSS sums per-CPU counters that may lag) and of the \
+             /proc/self/fd entries; before = the registry and parents set up, after = the \
+             last create plus {} ms; each point {}",
             scale::SETTLE.as_millis(),
             if isolation == "process" {
                 "in a process of its own"
@@ -538,7 +540,8 @@ pub fn render(r: &InstancesReport) -> String {
             ">create ms median",
             ">p90",
             ">max",
-            ">RSS KiB/inst",
+            ">VmRSS KiB/inst",
+            ">smaps Rss",
             ">anon",
             ">file",
             ">shmem",
@@ -563,6 +566,7 @@ pub fn render(r: &InstancesReport) -> String {
                 f2(p.create_ms.p90),
                 f2(p.create_ms.max),
                 f1(i.rss_kib),
+                f1(i.smaps_rss_kib),
                 f1(i.anon_kib),
                 f1(i.file_kib),
                 f1(i.shmem_kib),
@@ -582,10 +586,14 @@ pub fn render(r: &InstancesReport) -> String {
             ">max",
             ">verified",
             ">failures",
+            ">+KiB/inst",
+            ">+threads",
+            ">+fds",
             ">remove ms median",
             ">max",
         ]);
         for p in r.scale.iter().filter(|p| p.error.is_none()) {
+            let s = p.serving.per_instance(&p.idle, p.instances);
             t.row(vec![
                 p.instances.to_string(),
                 p.attached_at_release.to_string(),
@@ -596,11 +604,18 @@ pub fn render(r: &InstancesReport) -> String {
                 f1(p.serve_client_ms.max),
                 format!("{}/{}", p.verified, p.instances),
                 p.failures.len().to_string(),
+                f1(s.rss_kib),
+                f2(s.threads),
+                f2(s.fds),
                 f2(p.remove_ms.median),
                 f2(p.remove_ms.max),
             ]);
         }
         out.push_str(&t.render());
+        out.push_str(
+            "+KiB, +threads, +fds: per instance, all clients connected after their draw, \
+             against idle (the clients' own memory and sockets are in this process too)\n",
+        );
         for p in &r.scale {
             for f in p.failures.iter().take(5) {
                 out.push_str(&format!("  N={} failure: {f}\n", p.instances));

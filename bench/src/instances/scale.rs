@@ -3,7 +3,8 @@
 //! control socket.
 //!
 //! 1. The registry and parents are set up; the process is sampled (`/proc/self/status`
-//!    VmRSS, RssAnon, RssFile, RssShmem and Threads; entries of `/proc/self/fd`).
+//!    VmRSS, RssAnon, RssFile, RssShmem and Threads; `/proc/self/smaps_rollup` Rss,
+//!    Anonymous and Pss_Shmem; entries of `/proc/self/fd`).
 //! 2. N instances are created one after the other with [`Registry::create`] (what
 //!    `umdev create` and `umdev start` run in the daemon: the parent builds the device,
 //!    the registry gives it a DMA space and starts its server on its socket); each call
@@ -11,10 +12,10 @@
 //! 3. After a settling pause (the new threads have run), the process is sampled again:
 //!    the difference divided by N is the cost of one idle instance.
 //! 4. One embedded VMM per instance connects and sets its device up; with all N connected
-//!    at once (checked: every instance reports its client attached), the clients are
-//!    released together, one thread each, and each draws through its own instance
-//!    ([`super::clients`]) and verifies what it gets back. The wall time runs from the
-//!    release to the last client's end.
+//!    at once (checked: every instance reports its client attached), the clients, one
+//!    thread each, are released together (a gate all their threads wait on), and each
+//!    draws through its own instance ([`super::clients`]) and verifies what it gets back.
+//!    The wall time runs from the release to the last client's end.
 //! 5. The clients disconnect and every instance is removed (timed).
 //!
 //! Run in a process of its own (see `super`), the samples of step 1 and 3 see nothing but
@@ -23,7 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use umdev::instance::{Params, Registry, RegistryConfig};
@@ -54,6 +55,14 @@ pub struct ProcSample {
     pub threads: u64,
     /// Open file descriptors.
     pub fds: u64,
+    /// `Rss` of `/proc/self/smaps_rollup`: the page tables walked now (exact, where VmRSS
+    /// comes from per-CPU counters that may lag by a few dozen pages per CPU).
+    pub smaps_rss_kib: u64,
+    /// `Anonymous` of `/proc/self/smaps_rollup`.
+    pub smaps_anon_kib: u64,
+    /// `Pss_Shmem` of `/proc/self/smaps_rollup` (shared memory, each page divided among
+    /// the mappings of it).
+    pub smaps_shmem_kib: u64,
 }
 
 impl ProcSample {
@@ -61,6 +70,8 @@ impl ProcSample {
     pub fn now() -> ProcSample {
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let mut s = parse_status(&status);
+        let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+        (s.smaps_rss_kib, s.smaps_anon_kib, s.smaps_shmem_kib) = parse_rollup(&rollup);
         s.fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
         s
     }
@@ -75,22 +86,41 @@ impl ProcSample {
             shmem_kib: d(self.shmem_kib, before.shmem_kib),
             threads: d(self.threads, before.threads),
             fds: d(self.fds, before.fds),
+            smaps_rss_kib: d(self.smaps_rss_kib, before.smaps_rss_kib),
+            smaps_anon_kib: d(self.smaps_anon_kib, before.smaps_anon_kib),
+            smaps_shmem_kib: d(self.smaps_shmem_kib, before.smaps_shmem_kib),
         }
     }
 }
 
-/// The fields of `/proc/<pid>/status` a [`ProcSample`] keeps (fds are not in it).
+/// `key: value kB` lines as `(key, value)`; other lines are skipped.
+fn kib_fields(text: &str) -> impl Iterator<Item = (&str, u64)> {
+    text.lines().filter_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        let v = value.split_whitespace().next()?.parse::<u64>().ok()?;
+        Some((key, v))
+    })
+}
+
+/// `(Rss, Anonymous, Pss_Shmem)` of `/proc/<pid>/smaps_rollup`, KiB.
+pub fn parse_rollup(text: &str) -> (u64, u64, u64) {
+    let mut out = (0, 0, 0);
+    for (key, v) in kib_fields(text) {
+        match key {
+            "Rss" => out.0 = v,
+            "Anonymous" => out.1 = v,
+            "Pss_Shmem" => out.2 = v,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The fields of `/proc/<pid>/status` a [`ProcSample`] keeps (fds and smaps are not in
+/// it).
 pub fn parse_status(text: &str) -> ProcSample {
     let mut s = ProcSample::default();
-    for line in text.lines() {
-        let Some((key, value)) = line.split_once(':') else {
-            continue;
-        };
-        let v = value
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
+    for (key, v) in kib_fields(text) {
         match key {
             "VmRSS" => s.rss_kib = v,
             "RssAnon" => s.anon_kib = v,
@@ -118,6 +148,12 @@ pub struct PerInstance {
     pub threads: f64,
     /// File descriptors.
     pub fds: f64,
+    /// smaps_rollup Rss, KiB.
+    pub smaps_rss_kib: f64,
+    /// smaps_rollup Anonymous, KiB.
+    pub smaps_anon_kib: f64,
+    /// smaps_rollup Pss_Shmem, KiB.
+    pub smaps_shmem_kib: f64,
 }
 
 /// Which parent a type belongs to, and what one instance takes of it.
@@ -198,7 +234,8 @@ pub struct ScalePoint {
     pub idle: ProcSample,
     /// `(idle - before) / instances`.
     pub idle_per_instance: PerInstance,
-    /// The process with every client connected (the clients live in this process too).
+    /// The process with every client connected, after they drew (the clients and their
+    /// guest RAM live in this process too).
     pub serving: ProcSample,
     /// Time to connect and set up all clients, one after the other, s.
     pub connect_s: f64,
@@ -398,31 +435,34 @@ pub fn run_point(n: usize, types: &[String], isolation: &str) -> Result<ScalePoi
         .iter()
         .filter(|i| i.client_attached)
         .count();
-    point.serving = ProcSample::now();
-    let barrier = Arc::new(Barrier::new(connected.len() + 1));
+    // The start gate: held for writing while the threads are spawned, each thread waits
+    // for a read lock, so all start when it is dropped (and a thread that could not be
+    // spawned leaves nobody waiting).
+    let gate = Arc::new(RwLock::new(()));
+    let hold = gate.write().unwrap_or_else(|p| p.into_inner());
     let mut threads = Vec::with_capacity(connected.len());
     for (index, mut client) in connected {
-        let barrier = barrier.clone();
+        let gate = gate.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("client-{index}"))
             .spawn(move || {
-                barrier.wait();
+                drop(gate.read().unwrap_or_else(|p| p.into_inner()));
                 let t = Instant::now();
                 let r = client.work(index);
                 (index, r, t.elapsed(), client)
             });
         match spawned {
             Ok(h) => threads.push(h),
-            Err(e) => {
-                // Without its thread the barrier would never open: give up the point.
-                return Err(BenchError::Io(std::io::Error::other(format!(
-                    "spawning client thread {index}: {e}"
-                ))));
-            }
+            Err(e) => point.failures.push(format!(
+                "#{index} {}: spawning its client thread: {e}",
+                created[index].type_name
+            )),
         }
     }
-    barrier.wait();
+    // The clock starts before the release: once released, the clients may keep this
+    // thread off the CPU for a while.
     let released = Instant::now();
+    drop(hold);
     let mut client_ms = Vec::with_capacity(threads.len());
     let mut clients = Vec::with_capacity(threads.len());
     for h in threads {
@@ -442,6 +482,7 @@ pub fn run_point(n: usize, types: &[String], isolation: &str) -> Result<ScalePoi
     }
     point.serve_wall_s = released.elapsed().as_secs_f64();
     point.serve_client_ms = summarize(&client_ms);
+    point.serving = ProcSample::now();
     drop(clients);
 
     // Removal once every server has seen its client go.
@@ -472,7 +513,12 @@ mod tests {
             (s.rss_kib, s.anon_kib, s.file_kib, s.shmem_kib, s.threads),
             (12345, 8000, 4000, 345, 7)
         );
+        let rollup = "55df5e216000-7ffd70cf9000 ---p 00000000 00:00 0   [rollup]\n\
+                      Rss:                1784 kB\nPss:                 224 kB\n\
+                      Pss_Shmem:            12 kB\nAnonymous:           112 kB\n";
+        assert_eq!(parse_rollup(rollup), (1784, 112, 12));
         let now = ProcSample::now();
+        assert!(now.smaps_rss_kib > 0 && now.smaps_anon_kib > 0, "{now:?}");
         assert!(
             now.rss_kib > 0 && now.threads >= 1 && now.fds >= 3,
             "{now:?}"
