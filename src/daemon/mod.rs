@@ -256,6 +256,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     let gpu = GpuParent::new(GpuParentConfig {
         pool_mib: args.gpu_pool_mib,
         types: gpu_types,
+        ..GpuParentConfig::default()
     })
     .map_err(DaemonError::Gpu)?;
     // Guest data: private like the rest of the state.

@@ -34,6 +34,19 @@
 //! instance counters ([`GpuParent::instances`], [`EngineStats`]) expose executed commands
 //! and work, and the largest wake-up delay seen in units.
 //!
+//! **The engine runs at the lowest priority by default.** Its thread is throughput work,
+//! busy as long as any instance floods; each instance's connection, fetcher and interrupt
+//! threads are latency paths that run briefly and sleep. With the engine at their
+//! priority, on a machine with fewer cores than busy threads, an idle instance's FENCE
+//! waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at 9–60×
+//! the unloaded latency on 2 cores although the scheduler started it within 3–4 engine
+//! units, and at 0.7–1.4× with the engine thread at nice 19 (nice 10 was not enough:
+//! `docs/benchmarks.md`). So the parent's engine thread sets itself to
+//! [`DEFAULT_ENGINE_NICE`] (19) when it starts ([`GpuParentConfig::engine_nice`]; `None`
+//! leaves it at the process's nice value). Nice only weighs CPU time among runnable
+//! threads: an engine with an otherwise idle CPU runs at full speed, and its shares
+//! among instances are the stride scheduler's, whatever its nice value.
+//!
 //! What an instance shares: the engine's time and the pool's capacity. What it does not:
 //! its registers, GTT, pins, framebuffer memory, DMA space, interrupts and socket are its
 //! own; its ring is fetched by a thread of its own (so a client that never answers a
@@ -83,6 +96,10 @@ impl GpuType {
     }
 }
 
+/// The nice value of a [`GpuParent`]'s engine thread unless configured otherwise: the
+/// lowest priority (see the module doc).
+pub const DEFAULT_ENGINE_NICE: i32 = 19;
+
 /// How to build a [`GpuParent`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuParentConfig {
@@ -90,14 +107,21 @@ pub struct GpuParentConfig {
     pub pool_mib: u64,
     /// The types offered.
     pub types: Vec<GpuType>,
+    /// The nice value (`-20..=19`) the shared engine thread sets on itself when it
+    /// starts; `None`: it keeps the nice value of the process. Default
+    /// [`DEFAULT_ENGINE_NICE`]. A value below the process's needs `CAP_SYS_NICE` (without
+    /// it the engine logs a warning and keeps the process's).
+    pub engine_nice: Option<i32>,
 }
 
 impl Default for GpuParentConfig {
-    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4).
+    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4); the engine at nice
+    /// [`DEFAULT_ENGINE_NICE`].
     fn default() -> Self {
         GpuParentConfig {
             pool_mib: 64,
             types: vec![GpuType::new("gpu-4m", 4, 1), GpuType::new("gpu-16m", 16, 4)],
+            engine_nice: Some(DEFAULT_ENGINE_NICE),
         }
     }
 }
@@ -114,6 +138,9 @@ pub enum GpuParentError {
     /// Two types with one name.
     #[error("type {0:?} is declared twice")]
     DuplicateType(String),
+    /// An engine nice value outside `-20..=19`.
+    #[error("engine nice value {0} is outside -20..=19")]
+    BadEngineNice(i32),
     /// A type that cannot be built.
     #[error("type {name:?}: {why}")]
     BadType {
@@ -186,11 +213,15 @@ impl std::fmt::Debug for GpuParent {
 
 impl GpuParent {
     /// A parent with `config` (checked: a non-empty pool, unique type names, power-of-two
-    /// framebuffers of 1 MiB .. 2 GiB that fit the pool, weights `1..=65536`). The engine
-    /// thread starts with the first instance that attaches.
+    /// framebuffers of 1 MiB .. 2 GiB that fit the pool, weights `1..=65536`, an engine
+    /// nice value in `-20..=19`). The engine thread starts with the first instance that
+    /// attaches.
     pub fn new(config: GpuParentConfig) -> Result<GpuParent, GpuParentError> {
         if config.pool_mib == 0 {
             return Err(GpuParentError::EmptyPool);
+        }
+        if let Some(nice) = config.engine_nice.filter(|n| !(-20..=19).contains(n)) {
+            return Err(GpuParentError::BadEngineNice(nice));
         }
         if config.types.is_empty() {
             return Err(GpuParentError::NoTypes);
@@ -220,8 +251,8 @@ impl GpuParent {
         }
         Ok(GpuParent {
             inner: Arc::new(Inner {
+                engine: RenderEngine::with_nice("gpu-pool", config.engine_nice),
                 config,
-                engine: RenderEngine::new("gpu-pool"),
                 instances: Mutex::new(BTreeMap::new()),
             }),
         })
