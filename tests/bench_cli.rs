@@ -453,6 +453,7 @@ fn test_bench_instances_quick_json_has_every_row() {
     let samples =
         (plan["rounds"].as_u64().unwrap() * plan["samples_per_block"].as_u64().unwrap()) as usize;
     assert_eq!(samples, 20, "quick: 2 rounds of 10 samples");
+    assert_eq!(plan["engine_nice"], 19, "the GPU parent's default");
     for (s, weights) in sets.iter().zip([[1, 1, 1, 1], [1, 1, 4, 4]]) {
         let what = format!("{} set", s["name"]);
         let flooders = s["flooders"].as_array().unwrap();
@@ -477,6 +478,9 @@ fn test_bench_instances_quick_json_has_every_row() {
             "{what}"
         );
         assert!(s["engine_units"].as_u64().is_some_and(|u| u > 0), "{what}");
+        // The GPU parent's default: the engine thread at the lowest priority, as read back
+        // from /proc while the set ran.
+        assert_eq!(s["engine_thread_nice"], 19, "{what}");
         let fence = &s["fence"];
         for (key, sum) in [
             ("unloaded_us", "unloaded"),
@@ -523,4 +527,13 @@ fn test_bench_instances_bad_count_or_type_fails_with_message() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    for bad in ["20", "-21", "low"] {
+        let out = umdev(&["bench", "instances", "--quick", "--engine-nice", bad]);
+        assert!(!out.status.success(), "--engine-nice {bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("is not a nice value"),
+            "--engine-nice {bad}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

@@ -122,35 +122,22 @@ pub struct FairPlan {
     pub samples_per_block: usize,
     /// Seed of the pauses between samples.
     pub seed: u64,
-    /// Diagnostic: the nice value of the engine thread (`None`: left as the daemon has
-    /// it, the process's own).
+    /// The nice value the fairness parent's engine thread is built with
+    /// ([`GpuParentConfig::engine_nice`]; `None`: the process's).
     pub engine_nice: Option<i32>,
 }
 
-/// Name of the fairness parent's engine thread (`RenderEngine::new("gpu-pool")`).
-const ENGINE_THREAD: &str = "gpu-pool-engine";
+/// The nice value of thread `tid` of this process (field 19 of `/proc/self/task/<tid>/stat`).
+pub fn thread_nice(tid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+    parse_stat_nice(&stat)
+}
 
-/// Set the nice value of this process's threads named `comm`; how many there were.
-fn renice_threads(comm: &str, nice: i32) -> std::io::Result<usize> {
-    let mut n = 0;
-    for entry in std::fs::read_dir("/proc/self/task")? {
-        let entry = entry?;
-        let name = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-        if name.trim_end() != comm {
-            continue;
-        }
-        let tid: libc::id_t = entry
-            .file_name()
-            .to_string_lossy()
-            .parse()
-            .map_err(std::io::Error::other)?;
-        // SAFETY: setpriority on one thread of this process; it changes no memory.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        n += 1;
-    }
-    Ok(n)
+/// The nice value in the text of a `stat` file: the command name is in parentheses and may
+/// hold anything, so fields are counted from the last `)` (field 3, the state, follows it).
+pub fn parse_stat_nice(stat: &str) -> Option<i32> {
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19 - 3)?.parse().ok()
 }
 
 /// One flooder's result.
@@ -222,6 +209,8 @@ pub struct FairnessSet {
     pub jain: f64,
     /// The prober.
     pub fence: FenceResult,
+    /// The engine thread's nice value, read from `/proc` while the set ran.
+    pub engine_thread_nice: i32,
 }
 
 /// Jain's fairness index of `x`: `(Σx)² / (n·Σx²)`, 1 when all are equal, `1/n` when one
@@ -479,8 +468,11 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-fair-")
         .tempdir()?;
-    let parent = GpuParent::new(GpuParentConfig::default())
-        .map_err(|e| BenchError::Workload(Box::new(e)))?;
+    let parent = GpuParent::new(GpuParentConfig {
+        engine_nice: plan.engine_nice,
+        ..GpuParentConfig::default()
+    })
+    .map_err(|e| BenchError::Workload(Box::new(e)))?;
     let registry = Registry::new(RegistryConfig::new(dir.path().join("sockets")))?;
     registry.add_parent(Arc::new(parent.clone()))?;
     let weight_of = |t: &str| {
@@ -523,14 +515,12 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
                 thread: Some(thread),
             });
         }
-        if let Some(nice) = plan.engine_nice {
-            // The engine thread runs since the first flooder attached.
-            if renice_threads(ENGINE_THREAD, nice)? != 1 {
-                return Err(BenchError::Workload(
-                    format!("no single {ENGINE_THREAD} thread to renice").into(),
-                ));
-            }
-        }
+        // The engine thread runs since the first flooder attached, at its nice value.
+        let engine_thread_nice = parent
+            .engine()
+            .thread_id()
+            .and_then(thread_nice)
+            .ok_or_else(|| BenchError::Workload("the engine thread is not running".into()))?;
         let probe = registry.create("gpu-4m", None, &Params::new())?;
         let mut prober = FenceProber::connect(&probe.socket)
             .map_err(|e| BenchError::Workload(format!("prober: {e}").into()))?;
@@ -638,6 +628,7 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
             window_s: totals.window.as_secs_f64(),
             engine_units: totals.units,
             fence,
+            engine_thread_nice,
         })
     })();
     for f in &flooders {
@@ -655,6 +646,18 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_parse_stat_nice_counts_fields_after_the_last_paren() {
+        // A command name with spaces and parentheses; nice (field 19) is 19, priority 39.
+        let stat = "4242 (a) b (c) S 1 4242 4242 0 -1 4194368 97 0 0 0 3 1 0 0 39 19 1 0 \
+                    12345 1000 100";
+        assert_eq!(parse_stat_nice(stat), Some(19));
+        assert_eq!(parse_stat_nice("4242 (x) S 1"), None);
+        assert_eq!(parse_stat_nice("no paren"), None);
+        let tid = i32::try_from(std::process::id()).unwrap();
+        assert!(thread_nice(tid).is_some_and(|n| (-20..=19).contains(&n)));
+    }
 
     #[test]
     fn test_jain_is_one_for_equal_and_one_over_n_for_one_taker() {

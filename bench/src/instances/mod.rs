@@ -35,6 +35,7 @@ use crate::table::Table;
 use crate::{BenchError, OutputArgs};
 use fairness::{FairPlan, FairnessSet};
 use scale::ScalePoint;
+use umdev_devices::gpu::GpuParentConfig;
 
 /// Version tag of the JSON layout.
 pub const INSTANCES_SCHEMA: &str = "umdev-bench-instances/1";
@@ -91,10 +92,10 @@ pub struct InstancesArgs {
     /// Run the scale points in this process (default: a process of their own each).
     #[arg(long)]
     pub in_process: bool,
-    /// Diagnostic: run the fairness part's engine thread at this nice value (the daemon
-    /// leaves it at the process's).
-    #[arg(long, value_name = "NICE", allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
-    pub engine_nice: Option<i32>,
+    /// The fairness part's engine thread nice value: -20..=19, or `inherit` for the
+    /// process's (to compare against the GPU parent's default, 19, which the daemon uses).
+    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, value_parser = parse_engine_nice)]
+    pub engine_nice: Option<EngineNice>,
     /// Output options.
     #[command(flatten)]
     pub out: OutputArgs,
@@ -104,6 +105,27 @@ pub struct InstancesArgs {
     /// Internal: where --scale-point writes its result.
     #[arg(long, hide = true, value_name = "FILE")]
     pub child_out: Option<PathBuf>,
+}
+
+/// `--engine-nice`: a nice value or the process's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineNice {
+    /// Keep the process's nice value.
+    Inherit,
+    /// This nice value.
+    Value(i32),
+}
+
+fn parse_engine_nice(s: &str) -> Result<EngineNice, String> {
+    if s == "inherit" {
+        return Ok(EngineNice::Inherit);
+    }
+    match s.parse::<i32>() {
+        Ok(n) if (-20..=19).contains(&n) => Ok(EngineNice::Value(n)),
+        _ => Err(format!(
+            "{s:?} is not a nice value (-20..=19) or \"inherit\""
+        )),
+    }
 }
 
 impl InstancesArgs {
@@ -127,7 +149,11 @@ impl InstancesArgs {
             rounds,
             samples_per_block: samples.div_ceil(rounds),
             seed: 0x5eed,
-            engine_nice: self.engine_nice,
+            engine_nice: match self.engine_nice {
+                None => GpuParentConfig::default().engine_nice,
+                Some(EngineNice::Inherit) => None,
+                Some(EngineNice::Value(n)) => Some(n),
+            },
         }
     }
 
@@ -633,13 +659,14 @@ pub fn render(r: &InstancesReport) -> String {
         let weights: Vec<String> = s.flooders.iter().map(|f| f.weight.to_string()).collect();
         out.push_str(&format!(
             "\nfairness, {} set: {} flooders (weights {}), {:.2} s loaded, {} engine units \
-             ({:.0}/s)\n",
+             ({:.0}/s), engine thread at nice {}\n",
             s.name,
             s.flooders.len(),
             weights.join(", "),
             s.window_s,
             s.engine_units,
-            s.engine_units as f64 / s.window_s
+            s.engine_units as f64 / s.window_s,
+            s.engine_thread_nice
         ));
         let mut t = Table::new(&[
             "flooder",
