@@ -35,7 +35,7 @@ use crate::table::Table;
 use crate::{BenchError, OutputArgs};
 use fairness::{FairPlan, FairnessSet};
 use scale::ScalePoint;
-use umdev_devices::gpu::GpuParentConfig;
+use umdev_devices::gpu::{EngineNice, GpuParentConfig};
 
 /// Version tag of the JSON layout.
 pub const INSTANCES_SCHEMA: &str = "umdev-bench-instances/1";
@@ -94,7 +94,7 @@ pub struct InstancesArgs {
     pub in_process: bool,
     /// The fairness part's engine thread nice value: -20..=19, or `inherit` for the
     /// process's (to compare against the GPU parent's default, 19, which the daemon uses).
-    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, value_parser = parse_engine_nice)]
+    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true)]
     pub engine_nice: Option<EngineNice>,
     /// Output options.
     #[command(flatten)]
@@ -105,27 +105,6 @@ pub struct InstancesArgs {
     /// Internal: where --scale-point writes its result.
     #[arg(long, hide = true, value_name = "FILE")]
     pub child_out: Option<PathBuf>,
-}
-
-/// `--engine-nice`: a nice value or the process's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineNice {
-    /// Keep the process's nice value.
-    Inherit,
-    /// This nice value.
-    Value(i32),
-}
-
-fn parse_engine_nice(s: &str) -> Result<EngineNice, String> {
-    if s == "inherit" {
-        return Ok(EngineNice::Inherit);
-    }
-    match s.parse::<i32>() {
-        Ok(n) if (-20..=19).contains(&n) => Ok(EngineNice::Value(n)),
-        _ => Err(format!(
-            "{s:?} is not a nice value (-20..=19) or \"inherit\""
-        )),
-    }
 }
 
 impl InstancesArgs {
@@ -149,11 +128,9 @@ impl InstancesArgs {
             rounds,
             samples_per_block: samples.div_ceil(rounds),
             seed: 0x5eed,
-            engine_nice: match self.engine_nice {
-                None => GpuParentConfig::default().engine_nice,
-                Some(EngineNice::Inherit) => None,
-                Some(EngineNice::Value(n)) => Some(n),
-            },
+            engine_nice: self
+                .engine_nice
+                .map_or(GpuParentConfig::default().engine_nice, EngineNice::nice),
         }
     }
 

@@ -100,6 +100,51 @@ impl GpuType {
 /// lowest priority (see the module doc).
 pub const DEFAULT_ENGINE_NICE: i32 = 19;
 
+/// The engine's nice value as an admin writes it (`umdev daemon --gpu-engine-nice`): a
+/// number in `-20..=19`, or `inherit` for the process's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineNice {
+    /// Keep the process's nice value.
+    Inherit,
+    /// This nice value.
+    Value(i32),
+}
+
+impl EngineNice {
+    /// As [`GpuParentConfig::engine_nice`].
+    pub fn nice(self) -> Option<i32> {
+        match self {
+            EngineNice::Inherit => None,
+            EngineNice::Value(n) => Some(n),
+        }
+    }
+}
+
+impl std::str::FromStr for EngineNice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<EngineNice, String> {
+        if s == "inherit" {
+            return Ok(EngineNice::Inherit);
+        }
+        match s.parse::<i32>() {
+            Ok(n) if (-20..=19).contains(&n) => Ok(EngineNice::Value(n)),
+            _ => Err(format!(
+                "{s:?} is not a nice value (-20..=19) or \"inherit\""
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineNice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngineNice::Inherit => f.write_str("inherit"),
+            EngineNice::Value(n) => write!(f, "{n}"),
+        }
+    }
+}
+
 /// How to build a [`GpuParent`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuParentConfig {
@@ -465,7 +510,12 @@ mod tests {
     #[test]
     fn test_gpu_parent_config_checks() {
         let with = |types: Vec<GpuType>, pool_mib| {
-            GpuParent::new(GpuParentConfig { pool_mib, types }).map(|_| ())
+            GpuParent::new(GpuParentConfig {
+                pool_mib,
+                types,
+                ..GpuParentConfig::default()
+            })
+            .map(|_| ())
         };
         assert!(matches!(with(vec![], 64), Err(GpuParentError::NoTypes)));
         let t = GpuType::new("t", 4, 1);
@@ -493,6 +543,30 @@ mod tests {
             );
         }
         assert!(with(vec![t], 64).is_ok());
+    }
+
+    #[test]
+    fn test_engine_nice_parses_range_and_inherit_and_round_trips() {
+        for (text, want) in [
+            ("inherit", EngineNice::Inherit),
+            ("19", EngineNice::Value(19)),
+            ("-20", EngineNice::Value(-20)),
+            ("0", EngineNice::Value(0)),
+        ] {
+            let got: EngineNice = text.parse().unwrap();
+            assert_eq!(got, want);
+            assert_eq!(got.to_string(), text);
+        }
+        for bad in ["20", "-21", "", "low", "19.0", "Inherit"] {
+            let e = bad.parse::<EngineNice>().unwrap_err();
+            assert!(e.contains("is not a nice value"), "{bad}: {e}");
+        }
+        assert_eq!(EngineNice::Inherit.nice(), None);
+        assert_eq!(EngineNice::Value(5).nice(), Some(5));
+        assert_eq!(
+            GpuParentConfig::default().engine_nice,
+            Some(DEFAULT_ENGINE_NICE)
+        );
     }
 
     #[test]
