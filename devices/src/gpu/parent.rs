@@ -38,10 +38,10 @@
 //! busy as long as any instance floods; each instance's connection, fetcher and interrupt
 //! threads are latency paths that run briefly and sleep. With the engine at their
 //! priority, on a machine with fewer cores than busy threads, an idle instance's FENCE
-//! waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at 9–60×
-//! the unloaded latency on 2 cores although the scheduler started it within 3–4 engine
-//! units, and at 0.7–1.4× with the engine thread at nice 19 (nice 10 was not enough:
-//! `docs/benchmarks.md`). So the parent's engine thread sets itself to
+//! waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at 7–17×
+//! the unloaded latency on 2 cores although the scheduler started it within 2–4 engine
+//! units, and mostly at 1.0–1.2× with the engine thread at nice 19 (nice 10 was not
+//! enough: `docs/benchmarks.md`). So the parent's engine thread sets itself to
 //! [`DEFAULT_ENGINE_NICE`] (19) when it starts ([`GpuParentConfig::engine_nice`]; `None`
 //! leaves it at the process's nice value). Nice only weighs CPU time among runnable
 //! threads: an engine with an otherwise idle CPU runs at full speed, and its shares
