@@ -34,7 +34,7 @@ enum Command {
     Run(run::RunArgs),
     /// Start a device and drive it with an embedded client (no QEMU needed).
     Demo(demo::DemoArgs),
-    /// Benchmarks: pin patterns, dma_rw, wire round trips.
+    /// Benchmarks: pin patterns, dma_rw, wire round trips, many instances.
     Bench(umdev_bench::BenchArgs),
     /// Serve many instances of the GPU and ccw parents until Ctrl-C (the commands below).
     Daemon(daemon::DaemonArgs),

@@ -346,3 +346,194 @@ fn test_bench_pin_self_check_runs_coalesced_on_both_sides() {
     assert_eq!(cell["coalesced"]["syscalls_per_array"].as_f64(), Some(2.0));
     assert_eq!(cell["per_page"]["syscalls_per_array"].as_f64(), Some(2.0));
 }
+
+/// A summary of samples: every order statistic a number.
+fn assert_summary(s: &Value, n: usize, what: &str) {
+    assert_eq!(s["n"].as_u64(), Some(n as u64), "{what}: count {s}");
+    for key in ["median", "p10", "p90", "min", "max"] {
+        assert!(
+            s[key].as_f64().is_some_and(f64::is_finite),
+            "{what}: {key} {s}"
+        );
+    }
+}
+
+fn as_f64s(v: &Value, what: &str) -> Vec<f64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("{what}: not an array"))
+        .iter()
+        .map(|x| x.as_f64().unwrap_or_else(|| panic!("{what}: {x}")))
+        .collect()
+}
+
+#[test]
+fn test_bench_instances_quick_json_has_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("instances.json");
+    let out = umdev_ok(&[
+        "bench",
+        "instances",
+        "--quick",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("targets (issue 12)") && stdout.contains("FENCE latency"),
+        "{stdout}"
+    );
+
+    let v = read_json(&json);
+    assert_eq!(v["schema"], "umdev-bench-instances/1");
+    assert_eq!(v["bench"], "instances");
+    assert!(v["machine"]["nproc"].as_u64().is_some_and(|n| n >= 1));
+    // The quick counts, each point measured in a process of its own.
+    let scale = v["scale"].as_array().expect("scale");
+    let counts: Vec<u64> = scale
+        .iter()
+        .map(|p| p["instances"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counts, [1, 16]);
+    for p in scale {
+        let n = p["instances"].as_u64().unwrap() as usize;
+        let what = format!("scale point {n}");
+        assert!(p["error"].is_null(), "{what}: {}", p["error"]);
+        assert_eq!(p["isolation"], "process", "{what}");
+        assert_eq!(p["created"].as_u64(), Some(n as u64), "{what}");
+        let mix: u64 = p["mix"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["count"].as_u64().unwrap())
+            .sum();
+        assert_eq!(mix, n as u64, "{what}: mix {}", p["mix"]);
+        let creates = as_f64s(&p["create_samples_ms"], &what);
+        assert_eq!(creates.len(), n, "{what}: one create time per instance");
+        assert!(creates.iter().all(|x| x.is_finite() && *x > 0.0), "{what}");
+        assert_summary(&p["create_ms"], n, &what);
+        let keys = [
+            "rss_kib",
+            "anon_kib",
+            "file_kib",
+            "shmem_kib",
+            "threads",
+            "fds",
+            "smaps_rss_kib",
+            "smaps_anon_kib",
+            "smaps_shmem_kib",
+        ];
+        for sample in ["before", "idle", "serving"] {
+            for key in keys {
+                assert!(p[sample][key].as_u64().is_some(), "{what}: {sample}.{key}");
+            }
+        }
+        for key in keys {
+            assert!(
+                p["idle_per_instance"][key].as_f64().is_some(),
+                "{what}: idle_per_instance.{key}"
+            );
+        }
+        // Every instance served its own client, all connected at once, output verified.
+        assert_eq!(p["attached_at_release"].as_u64(), Some(n as u64), "{what}");
+        assert_eq!(p["verified"].as_u64(), Some(n as u64), "{what}");
+        assert_eq!(p["failures"].as_array().map(Vec::len), Some(0), "{what}");
+        assert!(
+            p["serve_wall_s"].as_f64().is_some_and(|s| s > 0.0),
+            "{what}"
+        );
+        assert_summary(&p["serve_client_ms"], n, &what);
+        assert_summary(&p["remove_ms"], n, &what);
+    }
+    // Both fairness sets, every flooder with its work and share, every FENCE sample.
+    let sets = v["fairness"].as_array().expect("fairness");
+    let names: Vec<&str> = sets.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["equal", "mixed"]);
+    let plan = &v["config"]["fairness"];
+    let samples =
+        (plan["rounds"].as_u64().unwrap() * plan["samples_per_block"].as_u64().unwrap()) as usize;
+    assert_eq!(samples, 20, "quick: 2 rounds of 10 samples");
+    assert_eq!(plan["engine_nice"], 19, "the GPU parent's default");
+    for (s, weights) in sets.iter().zip([[1, 1, 1, 1], [1, 1, 4, 4]]) {
+        let what = format!("{} set", s["name"]);
+        let flooders = s["flooders"].as_array().unwrap();
+        let got: Vec<u64> = flooders
+            .iter()
+            .map(|f| f["weight"].as_u64().unwrap())
+            .collect();
+        assert_eq!(got, weights, "{what}");
+        for f in flooders {
+            assert!(f["commands"].as_u64().is_some_and(|c| c > 0), "{what}: {f}");
+            assert!(f["work"].as_u64().is_some_and(|w| w > 0), "{what}: {f}");
+            assert!(f["rel_error"].as_f64().is_some_and(f64::is_finite), "{f}");
+            assert!(f["dry_polls"].as_u64().is_some(), "{f}");
+        }
+        let shares: f64 = flooders.iter().map(|f| f["share"].as_f64().unwrap()).sum();
+        assert!(
+            (shares - 1.0).abs() < 1e-9,
+            "{what}: shares sum to {shares}"
+        );
+        assert!(
+            s["jain"].as_f64().is_some_and(|j| j > 0.0 && j <= 1.0),
+            "{what}"
+        );
+        assert!(s["engine_units"].as_u64().is_some_and(|u| u > 0), "{what}");
+        // The GPU parent's default: the engine thread at the lowest priority, as read back
+        // from /proc while the set ran.
+        assert_eq!(s["engine_thread_nice"], 19, "{what}");
+        let fence = &s["fence"];
+        for (key, sum) in [
+            ("unloaded_us", "unloaded"),
+            ("loaded_us", "loaded"),
+            ("doorbell_unloaded_us", "doorbell_unloaded"),
+            ("doorbell_loaded_us", "doorbell_loaded"),
+        ] {
+            let x = as_f64s(&fence[key], key);
+            assert_eq!(x.len(), samples, "{what}: {key}");
+            assert!(x.iter().all(|v| v.is_finite() && *v > 0.0), "{what}: {key}");
+            assert_summary(&fence[sum], samples, &format!("{what} {sum}"));
+        }
+        for key in ["ratio_median", "ratio_p90"] {
+            assert!(
+                fence[key].as_f64().is_some_and(|r| r > 0.0),
+                "{what}: {key}"
+            );
+        }
+    }
+    // Every target of the issue, each with a verdict; no 256 point in a quick run.
+    let targets = v["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), 7, "{targets:?}");
+    for t in targets {
+        let verdict = t["verdict"].as_str().unwrap();
+        assert!(["pass", "MISS", "not measured"].contains(&verdict), "{t}");
+        assert!(t["measured"].is_string() && t["limit"].is_string(), "{t}");
+    }
+    assert_eq!(targets[0]["verdict"], "not measured");
+}
+
+#[test]
+fn test_bench_instances_bad_count_or_type_fails_with_message() {
+    let out = umdev(&["bench", "instances", "--quick", "--counts", "0"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("out of range"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = umdev(&["bench", "instances", "--quick", "--types", "gpu-8m"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown instance type \"gpu-8m\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for bad in ["20", "-21", "low"] {
+        let out = umdev(&["bench", "instances", "--quick", "--engine-nice", bad]);
+        assert!(!out.status.success(), "--engine-nice {bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("is not a nice value"),
+            "--engine-nice {bad}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

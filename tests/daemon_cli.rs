@@ -694,3 +694,65 @@ fn test_daemon_answers_other_protocol_version_with_clear_error() {
     let v = ask("{\"version\":1,\"request\":{\"op\":\"list\"}}\n");
     assert!(v["ok"]["instances"].as_array().unwrap().is_empty(), "{v}");
 }
+
+/// `(comm, nice)` of every thread of process `pid` (fields 2 and 19 of its `stat`).
+fn thread_nices(pid: u32) -> Vec<(String, i32)> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let Ok(stat) = fs::read_to_string(entry.unwrap().path().join("stat")) else {
+            continue; // gone since the listing
+        };
+        let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
+        let nice = stat[close + 1..].split_whitespace().nth(19 - 3).unwrap();
+        out.push((stat[open + 1..close].to_owned(), nice.parse().unwrap()));
+    }
+    out
+}
+
+#[test]
+fn test_daemon_gpu_engine_thread_low_priority_by_default_inherit_flag_keeps_daemons() {
+    for (flags, want) in [(&[][..], 19), (&["--gpu-engine-nice", "inherit"][..], 0)] {
+        let d = Daemon::start(flags);
+        let pid = d.child.as_ref().unwrap().id();
+        let daemon_nice = thread_nices(pid)
+            .into_iter()
+            .find(|(comm, _)| comm == "umdev")
+            .expect("the daemon's main thread")
+            .1;
+        // Run as a plain test process, the daemon is at nice 0 unless the whole run is.
+        let want = if want == 0 {
+            daemon_nice
+        } else {
+            want.max(daemon_nice)
+        };
+        let (_, socket) = create(&d, &["--type", "gpu-4m"]);
+        // The engine thread starts with the first client's attach.
+        let mut vmm = Vmm::connect(&socket).unwrap();
+        assert_eq!(vmm.read32(0, 0).unwrap(), ID_MAGIC);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let threads = loop {
+            let t = thread_nices(pid);
+            if t.iter().any(|(comm, _)| comm == "gpu-pool-engine") {
+                break t;
+            }
+            assert!(Instant::now() < deadline, "no engine thread: {t:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        for (comm, nice) in &threads {
+            let expect = if comm == "gpu-pool-engine" {
+                want
+            } else {
+                daemon_nice
+            };
+            assert_eq!(*nice, expect, "{flags:?}: thread {comm}: {threads:?}");
+        }
+        drop(vmm);
+    }
+    let out = Command::new(BIN)
+        .args(["daemon", "--gpu-engine-nice", "20"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("\"20\" is not a nice value"), "{e}");
+}

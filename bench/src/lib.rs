@@ -9,6 +9,8 @@
 //!   umdev's server against the `vfio_user` crate's, serving the same device
 //!   ([`vfio_user_trivial`]).
 //! - [`record`] (`umdev bench record`): record the pin arrays an example device issues.
+//! - [`instances`] (`umdev bench instances`): many instances in one registry (create,
+//!   idle cost, all serving at once) and the shared GPU engine's fairness.
 //!
 //! Shared pieces: array [`patterns`], recorded pin [`trace`]s, page [`backing`] and
 //! [`local_mapping`]s of it, the interleaved [`sampler`], [`stats`], the terminal/JSON
@@ -22,6 +24,7 @@
 
 pub mod backing;
 pub mod dma;
+pub mod instances;
 pub mod local_mapping;
 pub mod machine;
 pub mod patterns;
@@ -62,9 +65,12 @@ pub enum BenchError {
     /// The `vfio_user` crate's client or server failed (its errors carry no source).
     #[error("{0}")]
     VfioUser(String),
-    /// An example device or its guest driver failed under a recorded workload.
+    /// An example device, its parent or its guest driver failed under a workload.
     #[error(transparent)]
     Workload(Box<dyn std::error::Error + Send + Sync>),
+    /// The instance registry refused to create or remove an instance.
+    #[error(transparent)]
+    Instance(#[from] umdev::instance::InstanceError),
 }
 
 /// Output options shared by every bench.
@@ -132,6 +138,8 @@ pub enum BenchCommand {
     Wire(Box<wire::WireArgs>),
     /// Record the pin arrays an example device issues under a workload (for `pin --trace`).
     Record(Box<record::RecordArgs>),
+    /// Many instances in one registry: create, idle cost, all serving; GPU engine fairness.
+    Instances(Box<instances::InstancesArgs>),
 }
 
 /// Run `umdev bench`: the chosen benchmark, its table on stdout, progress on stderr.
@@ -141,6 +149,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Dma(a) => dma::run(*a),
         BenchCommand::Wire(a) => wire::run(*a),
         BenchCommand::Record(a) => record::run(*a),
+        BenchCommand::Instances(a) => instances::run(*a),
     }
 }
 

@@ -502,3 +502,75 @@ fn test_gpu_parent_instance_framebuffer_is_own_memory_of_type_size() {
     assert_eq!(infos.len(), 1);
     assert_eq!((infos[0].uuid.as_str(), infos[0].weight), ("b", 4));
 }
+
+/// The nice value of thread `tid` of this process (field 19 of its `stat`).
+fn thread_nice(tid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+    // The command name is in parentheses and may hold anything: fields follow the last ')'.
+    let after = &stat[stat.rfind(')').unwrap() + 1..];
+    // Field 3 (state) is the first after it; nice is field 19.
+    after
+        .split_whitespace()
+        .nth(19 - 3)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn test_gpu_parent_engine_thread_runs_at_low_priority_unless_configured_off() {
+    // SAFETY: gettid has no arguments and cannot fail.
+    let me = unsafe { libc::gettid() };
+    let inherited = thread_nice(me);
+    let main = thread_nice(std::process::id() as i32);
+    for (engine_nice, want) in [
+        (
+            Some(umdev_devices::gpu::DEFAULT_ENGINE_NICE),
+            19.max(inherited),
+        ),
+        (None, inherited),
+    ] {
+        let parent = GpuParent::new(GpuParentConfig {
+            engine_nice,
+            ..GpuParentConfig::default()
+        })
+        .unwrap();
+        assert_eq!(
+            parent.engine().thread_id(),
+            None,
+            "no engine before an attach"
+        );
+        let mut i = instance(&parent, "a", "gpu-4m");
+        let tid = parent
+            .engine()
+            .thread_id()
+            .expect("the attach started the engine");
+        assert_ne!(tid, me);
+        // Set before the first attach returned: no wait, no race.
+        assert_eq!(thread_nice(tid), want, "engine_nice {engine_nice:?}");
+        // The engine alone: the caller and the process's main thread keep theirs.
+        assert_eq!(
+            (thread_nice(me), thread_nice(std::process::id() as i32)),
+            (inherited, main)
+        );
+        // And it executes.
+        publish(
+            &mut i,
+            &Command::encode_bytes(&[Command::Fence { value: 7 }]),
+        );
+        let deadline = Instant::now() + HANG;
+        while i.vmm.read32(BAR, REG_FENCE_VALUE).unwrap() != 7 {
+            assert!(Instant::now() < deadline, "the fence never ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert!(matches!(
+        GpuParent::new(GpuParentConfig {
+            engine_nice: Some(20),
+            ..GpuParentConfig::default()
+        }),
+        Err(umdev_devices::gpu::parent::GpuParentError::BadEngineNice(
+            20
+        ))
+    ));
+}

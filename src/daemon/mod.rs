@@ -58,7 +58,7 @@ use umdev_cli::signals::TerminationSignals;
 use umdev_devices::ccw::parent::CcwParentError;
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;
-use umdev_devices::gpu::{GpuParent, GpuParentConfig, GpuType};
+use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType, DEFAULT_ENGINE_NICE};
 
 use crate::CliResult;
 
@@ -96,6 +96,11 @@ pub struct DaemonArgs {
     /// Repeat for several [default: gpu-4m:4:1 and gpu-16m:16:4].
     #[arg(long = "gpu-type", value_name = "NAME:MIB:WEIGHT", value_parser = parse_gpu_type)]
     pub gpu_types: Vec<GpuType>,
+    /// Nice value of the GPU parent's shared render engine thread, or `inherit` for the
+    /// daemon's. The engine is throughput work; the instances' own threads (doorbells,
+    /// ring fetches, interrupts) are latency paths and keep the daemon's priority.
+    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, default_value_t = EngineNice::Value(DEFAULT_ENGINE_NICE))]
+    pub gpu_engine_nice: EngineNice,
     /// The ccw parent's storage budget for the images of running instances, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]
     pub ccw_budget_mib: u64,
@@ -256,6 +261,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     let gpu = GpuParent::new(GpuParentConfig {
         pool_mib: args.gpu_pool_mib,
         types: gpu_types,
+        engine_nice: args.gpu_engine_nice.nice(),
     })
     .map_err(DaemonError::Gpu)?;
     // Guest data: private like the rest of the state.

@@ -52,6 +52,22 @@
 //! holding a gate lock). The engine holds no lock while it executes a unit; the unit takes
 //! the lane's own locks (`state.rs`), which nobody holds across a wait for a client.
 //!
+//! # Priority
+//!
+//! The engine thread is throughput work: it runs as long as any lane has work queued,
+//! while the threads around it (each instance's connection thread answering the doorbell
+//! write, its fetcher, the thread that signals the fence interrupt) are latency paths that
+//! run for microseconds and sleep. On a machine with fewer cores than busy threads, an
+//! engine at the same priority as those threads delays their wake-ups by a time slice, so
+//! an idle instance's FENCE waits on CPU contention although the scheduler above would run
+//! it next. An engine built with a nice value ([`RenderEngine::with_nice`]) sets it on its
+//! own thread (`setpriority(PRIO_PROCESS, tid)`: on Linux that is one thread, not the
+//! process) before it executes anything; the spawner waits for that, so once a lane is
+//! registered the engine runs at its priority. A nice value below the thread's inherited
+//! one needs `CAP_SYS_NICE`: without it the engine logs a warning and runs at the inherited
+//! value. [`RenderEngine::thread_id`] names the thread (to check its priority in
+//! `/proc/self/task/<tid>/stat`).
+//!
 //! # Panics
 //!
 //! A unit that panics is caught (`catch_unwind`): it is logged, that lane's work item is
@@ -60,7 +76,7 @@
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -178,6 +194,10 @@ impl EngineCounters {
 pub struct RenderEngine {
     inner: Arc<Inner>,
     name: String,
+    /// The nice value the thread sets on itself (`None`: the inherited one).
+    nice: Option<i32>,
+    /// The thread's kernel id once it runs (0 before).
+    tid: AtomicI32,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -185,6 +205,7 @@ impl std::fmt::Debug for RenderEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RenderEngine")
             .field("name", &self.name)
+            .field("nice", &self.nice)
             .finish_non_exhaustive()
     }
 }
@@ -193,6 +214,12 @@ impl RenderEngine {
     /// A new engine; its thread (`<name>-engine`: keep `name` within 8 bytes for the
     /// whole name to fit Linux's 15-byte thread names) starts when the first GPU attaches.
     pub fn new(name: &str) -> Arc<RenderEngine> {
+        RenderEngine::with_nice(name, None)
+    }
+
+    /// A new engine whose thread runs at nice value `nice` (`None`: the nice value it
+    /// inherits from the thread that starts it). See the module doc, "Priority".
+    pub fn with_nice(name: &str, nice: Option<i32>) -> Arc<RenderEngine> {
         Arc::new(RenderEngine {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -205,8 +232,20 @@ impl RenderEngine {
                 wake: Condvar::new(),
             }),
             name: name.to_owned(),
+            nice,
+            tid: AtomicI32::new(0),
             thread: Mutex::new(None),
         })
+    }
+
+    /// The nice value the engine thread is built to run at (`None`: inherited).
+    pub fn nice(&self) -> Option<i32> {
+        self.nice
+    }
+
+    /// The engine thread's kernel thread id, once it has started (the first attach).
+    pub fn thread_id(&self) -> Option<i32> {
+        Some(self.tid.load(Ordering::Acquire)).filter(|&t| t > 0)
     }
 
     /// Units executed so far, all lanes together.
@@ -225,11 +264,21 @@ impl RenderEngine {
             let mut thread = lock(&self.thread);
             if thread.is_none() {
                 let inner = self.inner.clone();
-                *thread = Some(
-                    std::thread::Builder::new()
-                        .name(format!("{}-engine", self.name))
-                        .spawn(move || run(&inner))?,
-                );
+                let (nice, name) = (self.nice, self.name.clone());
+                let (started_tx, started) = crossbeam_channel::bounded(1);
+                let handle = std::thread::Builder::new()
+                    .name(format!("{}-engine", self.name))
+                    .spawn(move || {
+                        let tid = set_own_nice(&name, nice);
+                        // The spawner waits for this; it cannot have gone.
+                        let _ = started_tx.send(tid);
+                        run(&inner)
+                    })?;
+                // Priority first: no unit runs before the thread has its nice value (and
+                // the thread sends before it can block, so this cannot hang).
+                let tid = started.recv().unwrap_or(0);
+                self.tid.store(tid, Ordering::Release);
+                *thread = Some(handle);
             }
         }
         let mut st = lock(&self.inner.state);
@@ -339,6 +388,30 @@ impl Drop for RenderEngine {
             }
         }
     }
+}
+
+/// The calling thread's kernel id, after setting its nice value to `nice` if there is one
+/// (a failure is logged: the thread runs at the inherited value).
+fn set_own_nice(engine: &str, nice: Option<i32>) -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    let tid = unsafe { libc::gettid() };
+    if let Some(nice) = nice {
+        let who = libc::id_t::try_from(tid).unwrap_or(0);
+        // SAFETY: setpriority on this thread (PRIO_PROCESS with a thread id is that thread
+        // alone on Linux); it touches no memory of ours.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, who, nice) } != 0 {
+            tracing::warn!(
+                engine,
+                nice,
+                error = %std::io::Error::last_os_error(),
+                "gpu engine: cannot set the engine thread's nice value; it runs at the \
+                 inherited one"
+            );
+        } else {
+            tracing::debug!(engine, nice, tid, "gpu engine: thread priority set");
+        }
+    }
+    tid
 }
 
 /// The engine thread.

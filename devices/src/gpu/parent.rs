@@ -34,6 +34,19 @@
 //! instance counters ([`GpuParent::instances`], [`EngineStats`]) expose executed commands
 //! and work, and the largest wake-up delay seen in units.
 //!
+//! **The engine runs at the lowest priority by default.** Its thread is throughput work,
+//! busy as long as any instance floods; each instance's connection, fetcher and interrupt
+//! threads are latency paths that run briefly and sleep. With the engine at their
+//! priority, on a machine with fewer cores than busy threads, an idle instance's FENCE
+//! waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at 7–17×
+//! the unloaded latency on 2 cores although the scheduler started it within 2–4 engine
+//! units, and mostly at 1.0–1.2× with the engine thread at nice 19 (nice 10 was not
+//! enough: `docs/benchmarks.md`). So the parent's engine thread sets itself to
+//! [`DEFAULT_ENGINE_NICE`] (19) when it starts ([`GpuParentConfig::engine_nice`]; `None`
+//! leaves it at the process's nice value). Nice only weighs CPU time among runnable
+//! threads: an engine with an otherwise idle CPU runs at full speed, and its shares
+//! among instances are the stride scheduler's, whatever its nice value.
+//!
 //! What an instance shares: the engine's time and the pool's capacity. What it does not:
 //! its registers, GTT, pins, framebuffer memory, DMA space, interrupts and socket are its
 //! own; its ring is fetched by a thread of its own (so a client that never answers a
@@ -83,6 +96,55 @@ impl GpuType {
     }
 }
 
+/// The nice value of a [`GpuParent`]'s engine thread unless configured otherwise: the
+/// lowest priority (see the module doc).
+pub const DEFAULT_ENGINE_NICE: i32 = 19;
+
+/// The engine's nice value as an admin writes it (`umdev daemon --gpu-engine-nice`): a
+/// number in `-20..=19`, or `inherit` for the process's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineNice {
+    /// Keep the process's nice value.
+    Inherit,
+    /// This nice value.
+    Value(i32),
+}
+
+impl EngineNice {
+    /// As [`GpuParentConfig::engine_nice`].
+    pub fn nice(self) -> Option<i32> {
+        match self {
+            EngineNice::Inherit => None,
+            EngineNice::Value(n) => Some(n),
+        }
+    }
+}
+
+impl std::str::FromStr for EngineNice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<EngineNice, String> {
+        if s == "inherit" {
+            return Ok(EngineNice::Inherit);
+        }
+        match s.parse::<i32>() {
+            Ok(n) if (-20..=19).contains(&n) => Ok(EngineNice::Value(n)),
+            _ => Err(format!(
+                "{s:?} is not a nice value (-20..=19) or \"inherit\""
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineNice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngineNice::Inherit => f.write_str("inherit"),
+            EngineNice::Value(n) => write!(f, "{n}"),
+        }
+    }
+}
+
 /// How to build a [`GpuParent`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuParentConfig {
@@ -90,14 +152,21 @@ pub struct GpuParentConfig {
     pub pool_mib: u64,
     /// The types offered.
     pub types: Vec<GpuType>,
+    /// The nice value (`-20..=19`) the shared engine thread sets on itself when it
+    /// starts; `None`: it keeps the nice value of the process. Default
+    /// [`DEFAULT_ENGINE_NICE`]. A value below the process's needs `CAP_SYS_NICE` (without
+    /// it the engine logs a warning and keeps the process's).
+    pub engine_nice: Option<i32>,
 }
 
 impl Default for GpuParentConfig {
-    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4).
+    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4); the engine at nice
+    /// [`DEFAULT_ENGINE_NICE`].
     fn default() -> Self {
         GpuParentConfig {
             pool_mib: 64,
             types: vec![GpuType::new("gpu-4m", 4, 1), GpuType::new("gpu-16m", 16, 4)],
+            engine_nice: Some(DEFAULT_ENGINE_NICE),
         }
     }
 }
@@ -114,6 +183,9 @@ pub enum GpuParentError {
     /// Two types with one name.
     #[error("type {0:?} is declared twice")]
     DuplicateType(String),
+    /// An engine nice value outside `-20..=19`.
+    #[error("engine nice value {0} is outside -20..=19")]
+    BadEngineNice(i32),
     /// A type that cannot be built.
     #[error("type {name:?}: {why}")]
     BadType {
@@ -186,11 +258,15 @@ impl std::fmt::Debug for GpuParent {
 
 impl GpuParent {
     /// A parent with `config` (checked: a non-empty pool, unique type names, power-of-two
-    /// framebuffers of 1 MiB .. 2 GiB that fit the pool, weights `1..=65536`). The engine
-    /// thread starts with the first instance that attaches.
+    /// framebuffers of 1 MiB .. 2 GiB that fit the pool, weights `1..=65536`, an engine
+    /// nice value in `-20..=19`). The engine thread starts with the first instance that
+    /// attaches.
     pub fn new(config: GpuParentConfig) -> Result<GpuParent, GpuParentError> {
         if config.pool_mib == 0 {
             return Err(GpuParentError::EmptyPool);
+        }
+        if let Some(nice) = config.engine_nice.filter(|n| !(-20..=19).contains(n)) {
+            return Err(GpuParentError::BadEngineNice(nice));
         }
         if config.types.is_empty() {
             return Err(GpuParentError::NoTypes);
@@ -220,8 +296,8 @@ impl GpuParent {
         }
         Ok(GpuParent {
             inner: Arc::new(Inner {
+                engine: RenderEngine::with_nice("gpu-pool", config.engine_nice),
                 config,
-                engine: RenderEngine::new("gpu-pool"),
                 instances: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -434,7 +510,12 @@ mod tests {
     #[test]
     fn test_gpu_parent_config_checks() {
         let with = |types: Vec<GpuType>, pool_mib| {
-            GpuParent::new(GpuParentConfig { pool_mib, types }).map(|_| ())
+            GpuParent::new(GpuParentConfig {
+                pool_mib,
+                types,
+                ..GpuParentConfig::default()
+            })
+            .map(|_| ())
         };
         assert!(matches!(with(vec![], 64), Err(GpuParentError::NoTypes)));
         let t = GpuType::new("t", 4, 1);
@@ -462,6 +543,30 @@ mod tests {
             );
         }
         assert!(with(vec![t], 64).is_ok());
+    }
+
+    #[test]
+    fn test_engine_nice_parses_range_and_inherit_and_round_trips() {
+        for (text, want) in [
+            ("inherit", EngineNice::Inherit),
+            ("19", EngineNice::Value(19)),
+            ("-20", EngineNice::Value(-20)),
+            ("0", EngineNice::Value(0)),
+        ] {
+            let got: EngineNice = text.parse().unwrap();
+            assert_eq!(got, want);
+            assert_eq!(got.to_string(), text);
+        }
+        for bad in ["20", "-21", "", "low", "19.0", "Inherit"] {
+            let e = bad.parse::<EngineNice>().unwrap_err();
+            assert!(e.contains("is not a nice value"), "{bad}: {e}");
+        }
+        assert_eq!(EngineNice::Inherit.nice(), None);
+        assert_eq!(EngineNice::Value(5).nice(), Some(5));
+        assert_eq!(
+            GpuParentConfig::default().engine_nice,
+            Some(DEFAULT_ENGINE_NICE)
+        );
     }
 
     #[test]
