@@ -565,6 +565,7 @@ fn test_gpu_parent_instance_migrates_destination_keeps_its_type_weight_engine_se
     let dst_parent = GpuParent::new(GpuParentConfig {
         pool_mib: 16,
         types: vec![GpuType::new("gpu-4m-heavy", 4, 3)],
+        ..GpuParentConfig::default()
     })
     .unwrap();
     let params = Params::new();
