@@ -463,8 +463,9 @@ fn test_malformed_reset_feature_mig_and_direction_rejected() {
     );
     assert_eq!(ts.state().resets, 0);
     let f = Command::DeviceFeature as u16;
+    // Well formed (argsz covers the 8-byte reply data), to a device without migration.
     let mig = encode_feature(
-        8,
+        16,
         VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION,
         &[],
     );
@@ -480,8 +481,9 @@ fn test_malformed_reset_feature_mig_and_direction_rejected() {
     );
     assert_eq!(c.expect_error(f, &[8, 0], &[]), EINVAL, "short");
     assert_eq!(
-        c.expect_error(Command::MigDataRead as u16, &u32s(&[8, 16]), &[]),
-        libc::ENOTSUP as u32
+        c.expect_error(Command::MigDataRead as u16, &u32s(&[24, 16]), &[]),
+        libc::ENOTSUP as u32,
+        "well-formed MIG_DATA_READ to a device without migration"
     );
     assert_eq!(
         c.expect_error(Command::DmaRead as u16, &[0; 16], &[]),
