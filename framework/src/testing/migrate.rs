@@ -127,6 +127,9 @@ impl RoundReport {
 pub struct MigrationReport {
     /// PRE_COPY was used (offered by the device and asked for).
     pub pre_copy: bool,
+    /// PRE_COPY bytes read on entering PRE_COPY, before the first round (the stream's
+    /// head).
+    pub head_bytes: u64,
     /// Guest RAM pages of the first, whole copy.
     pub initial_ram_pages: u64,
     /// The rounds while the guest ran.
@@ -148,8 +151,9 @@ impl fmt::Display for MigrationReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "PRE_COPY {}; first RAM copy {} pages",
+            "PRE_COPY {} (head {} bytes); first RAM copy {} pages",
             if self.pre_copy { "on" } else { "off" },
+            self.head_bytes,
             self.initial_ram_pages
         )?;
         for (i, r) in self.rounds.iter().enumerate() {
@@ -298,7 +302,11 @@ fn ram_text(v: &Vmm) -> String {
 impl Migration {
     /// Step 1: logging on, the destination RESUMING, the source in PRE_COPY (if used), all
     /// guest RAM copied. On failure nothing is left started (the source runs).
-    pub fn start(src: &mut Vmm, dst: &mut Vmm, opts: &MigrateOptions) -> Result<Migration, MigrateError> {
+    pub fn start(
+        src: &mut Vmm,
+        dst: &mut Vmm,
+        opts: &MigrateOptions,
+    ) -> Result<Migration, MigrateError> {
         let began = Instant::now();
         let (src_ram, dst_ram) = match (src.ram_opt(), dst.ram_opt()) {
             (Some(s), Some(d)) if s.base() == d.base() && s.size() == d.size() => {
@@ -339,6 +347,13 @@ impl Migration {
             if pre_copy {
                 src.set_mig_state(MigState::PreCopy)
                     .map_err(step(Side::Source, "RUNNING -> PRE_COPY"))?;
+                // The stream's head (what the first read returns before any chunk).
+                let head = src
+                    .mig_read_all()
+                    .map_err(step(Side::Source, "MIG_DATA_READ (PRE_COPY head)"))?;
+                dst.mig_write_all(&head)
+                    .map_err(step(Side::Destination, "MIG_DATA_WRITE (PRE_COPY head)"))?;
+                m.report.head_bytes = head.len() as u64;
             }
             m.report.initial_ram_pages = m.copy_all()?;
             Ok(())
@@ -518,7 +533,11 @@ impl Migration {
         while first < pages {
             let n = per_report.min(pages - first);
             let words = src
-                .dirty_report(base + first * MIGRATION_PAGE, n * MIGRATION_PAGE, MIGRATION_PAGE)
+                .dirty_report(
+                    base + first * MIGRATION_PAGE,
+                    n * MIGRATION_PAGE,
+                    MIGRATION_PAGE,
+                )
                 .map_err(step(Side::Source, "DMA_LOGGING_REPORT"))?;
             for page in (0..n).filter(|p| words[(p / 64) as usize] >> (p % 64) & 1 != 0) {
                 let at = first + page;
