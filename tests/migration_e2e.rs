@@ -123,7 +123,7 @@ impl GpuGuest {
         let irq = vmm.enable_msi().unwrap();
         let ram = vmm.ram().clone();
         let sprite: Vec<u8> = (0..32u32 * 32)
-            .flat_map(|i| (0x0040_0000 | i * 37).to_le_bytes())
+            .flat_map(|i| (0x0040_0000 | (i * 37)).to_le_bytes())
             .collect();
         ram.write(SPRITE, &sprite).unwrap();
         let mut drv = Driver::probe(Bar0(vmm)).unwrap();
