@@ -546,7 +546,7 @@ pub fn run(out_dir: &Path, image: Option<&Path>) -> CliResult {
     };
     let c = ccw_migration(dir.path(), &image)?;
     println!(
-        "ccw: data set of {} KiB (part A before, B in flight at STOP, C after) read back on the destination: {}",
+        "ccw: data set of {} KiB (part A before, B started right before STOP, C after) read back on the destination: {}",
         PARTS.iter().map(|p| p.1 * CHUNK).sum::<u64>() >> 10,
         if c.intact { "intact" } else { "MISMATCH" }
     );
