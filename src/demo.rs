@@ -1,5 +1,6 @@
 //! `umdev demo`: start an example device and drive it with the embedded VMM (memfd guest
-//! RAM, DMA_MAP, register writes, MSI), so a newcomer sees it work without QEMU.
+//! RAM, DMA_MAP, register writes, MSI), so a newcomer sees it work without QEMU; `umdev demo
+//! migrate` moves running devices between two servers (`demo_migrate.rs`).
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -20,17 +21,34 @@ use umdev_devices::gpu::regs::{GTT_ENTRIES, IRQ_FENCE};
 use umdev_devices::gpu::{Gpu, GpuConfig, BAR_FB};
 use umdev_devices::testing::{run_ccw_program, Bar0};
 
-use crate::{CliResult, DeviceKind};
+use crate::CliResult;
+
+/// What `umdev demo` shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoKind {
+    /// The GPU: mode, GTT, ring, fence MSI; the framebuffer as a PNG.
+    Gpu,
+    /// The ccw device: channel programs writing and reading an image.
+    Ccw,
+    /// Live migration: a GPU scene drawn half before and half after moving the running
+    /// GPU to a second server (with and without PRE_COPY), compared pixel by pixel with the
+    /// scene drawn without migration; a ccw data set written across a migration read back;
+    /// a table of rounds, bytes, STOP_COPY and downtime. Exit status 1 on any mismatch.
+    Migrate,
+}
 
 /// Arguments of `umdev demo`.
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
-    /// Device to demo.
-    pub device: DeviceKind,
+    /// What to demo.
+    pub device: DemoKind,
     /// Where the GPU demo writes its framebuffer.
     #[arg(long, value_name = "FILE", default_value = "gpu-demo.png")]
     pub out: PathBuf,
-    /// Backing image for the ccw demo (default: a temporary file).
+    /// Where the migrate demo writes migrate-reference.png and migrate-destination.png.
+    #[arg(long, value_name = "DIR", default_value = ".")]
+    pub out_dir: PathBuf,
+    /// Backing image for the ccw and migrate demos (default: a temporary file).
     #[arg(long, value_name = "FILE")]
     pub image: Option<PathBuf>,
 }
@@ -46,12 +64,15 @@ pub fn run(args: DemoArgs) -> CliResult {
     let socket = dir.path().join("demo.sock");
     let dma = DmaSpace::new(DmaConfig::default());
     let result = match args.device {
-        DeviceKind::Gpu => {
+        DemoKind::Migrate => {
+            return crate::demo_migrate::run(&args.out_dir, args.image.as_deref());
+        }
+        DemoKind::Gpu => {
             let dev = PciAdapter::new(Gpu::new(GpuConfig::default())?)?;
             let server = serve(&socket, Box::new(dev), &dma)?;
             gpu_demo(&socket, &args.out).and(Ok(server))
         }
-        DeviceKind::Ccw => {
+        DemoKind::Ccw => {
             let image = match &args.image {
                 Some(p) => p.clone(),
                 None => dir.path().join("ccw.img"),
@@ -74,7 +95,7 @@ pub fn run(args: DemoArgs) -> CliResult {
     Ok(())
 }
 
-fn serve(
+pub(crate) fn serve(
     socket: &Path,
     dev: Box<dyn Device>,
     dma: &Arc<DmaSpace>,
@@ -180,7 +201,13 @@ fn gpu_demo(socket: &Path, out: &Path) -> CliResult {
 }
 
 /// mmap BAR2 the way a VMM does (the fd from GET_REGION_INFO) and encode it as PNG.
-fn write_framebuffer_png(vmm: &mut Vmm, w: u32, h: u32, stride: u32, out: &Path) -> CliResult {
+pub(crate) fn write_framebuffer_png(
+    vmm: &mut Vmm,
+    w: u32,
+    h: u32,
+    stride: u32,
+    out: &Path,
+) -> CliResult {
     let fb = vmm
         .map_region(BAR_FB as u32)
         .map_err(|e| format!("framebuffer region is not mmappable: {e}"))?;
@@ -201,7 +228,7 @@ fn write_framebuffer_png(vmm: &mut Vmm, w: u32, h: u32, stride: u32, out: &Path)
 }
 
 /// A tiny deterministic generator for demo data.
-fn fill_pattern(buf: &mut [u8], seed: u64) {
+pub(crate) fn fill_pattern(buf: &mut [u8], seed: u64) {
     let mut x = seed | 1;
     for b in buf {
         x ^= x << 13;

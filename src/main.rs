@@ -2,6 +2,7 @@
 
 mod daemon;
 mod demo;
+mod demo_migrate;
 mod run;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -12,7 +13,7 @@ use clap::{Parser, Subcommand, ValueEnum};
     name = "umdev",
     version,
     about,
-    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
+    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev demo migrate                     move a drawing GPU and a ccw device between two servers\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,7 +33,8 @@ pub enum DeviceKind {
 enum Command {
     /// Serve an example device on a vfio-user socket until Ctrl-C.
     Run(run::RunArgs),
-    /// Start a device and drive it with an embedded client (no QEMU needed).
+    /// Start a device and drive it with an embedded client (no QEMU needed); `migrate`
+    /// live-migrates running devices between two servers.
     Demo(demo::DemoArgs),
     /// Benchmarks: pin patterns, dma_rw, wire round trips, many instances.
     Bench(umdev_bench::BenchArgs),

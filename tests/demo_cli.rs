@@ -63,3 +63,58 @@ fn test_demo_ccw_verifies_every_program() {
         "{stdout}"
     );
 }
+
+#[test]
+fn test_demo_migrate_scene_identical_data_intact_exit_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("shared.img");
+    let o = umdev()
+        .args(["demo", "migrate", "--out-dir"])
+        .arg(dir.path())
+        .arg("--image")
+        .arg(&image)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "demo failed: {stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(stdout.matches("pixel-identical").count(), 2, "{stdout}");
+    assert!(
+        stdout.contains("read back on the destination: intact"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("1 completion interrupt(s) in all, status ok"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(target <= 10%): met"), "{stdout}");
+    assert!(stdout.contains("verdict: migration ok"), "{stdout}");
+    for row in ["gpu PRE_COPY", "gpu STOP_COPY", "ccw"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(row)),
+            "no {row} row: {stdout}"
+        );
+    }
+    for png in ["migrate-reference.png", "migrate-destination.png"] {
+        let decoder = png::Decoder::new(std::fs::File::open(dir.path().join(png)).unwrap());
+        let info = decoder.read_info().unwrap();
+        assert_eq!((info.info().width, info.info().height), (1024, 768));
+    }
+}
+
+#[test]
+fn test_demo_migrate_image_that_cannot_be_opened_fails_with_status_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = umdev()
+        .args(["demo", "migrate", "--out-dir"])
+        .arg(dir.path())
+        .arg("--image")
+        .arg(dir.path().join("no/such/dir/img"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("verdict: migration ok"));
+}

@@ -6,9 +6,22 @@
 //! Every access is bounds-checked; outside the memory is `EFAULT`. A `GuestMemory` is cheap
 //! to clone: clones share the same memory, so a test can hand one to a guest driver while
 //! the VMM keeps another.
+//!
+//! **The CPU dirty log** stands in for KVM's dirty log, the half of a live migration's RAM
+//! tracking that a device's DMA_LOGGING does not cover: while it is on
+//! ([`GuestMemory::cpu_dirty_start`]), every write through any clone ([`GuestMemory::write`],
+//! [`GuestMemory::fill`], [`GuestMemory::write_u64`]) marks the 4 KiB pages it touched
+//! *after* the bytes are copied, and [`GuestMemory::cpu_dirty_take`] reads and clears the
+//! bits. A migration driver takes the bits and then copies the pages they name: a write
+//! whose mark was taken is already in memory when the copy reads it, and a write whose mark
+//! came after the take stays marked for the next pass, so no write is lost. Writes the device makes through its own mapping are not seen
+//! here; the server's DMA_LOGGING_REPORT covers those.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Release};
 use std::sync::Arc;
 
 use crate::dma::{DmaMapping, Prot};
@@ -20,7 +33,33 @@ pub struct GuestMemory {
     mem: Arc<SharedMemory>,
     fd: Arc<OwnedFd>,
     base: u64,
+    dirty: Arc<CpuDirtyLog>,
 }
+
+/// Pages written through [`GuestMemory`] while logging is on: bit n of word n / 64 is the
+/// page at offset n × 4096.
+#[derive(Debug)]
+struct CpuDirtyLog {
+    on: AtomicBool,
+    bits: Vec<AtomicU64>,
+}
+
+impl CpuDirtyLog {
+    /// Mark the pages of `[off, off + len)` (in bounds, checked by the caller).
+    fn mark(&self, off: u64, len: u64) {
+        if len == 0 || !self.on.load(Acquire) {
+            return;
+        }
+        let (first, last) = (off / PAGE, (off + len - 1) / PAGE);
+        for page in first..=last {
+            if let Some(w) = self.bits.get((page / 64) as usize) {
+                w.fetch_or(1 << (page % 64), AcqRel);
+            }
+        }
+    }
+}
+
+const PAGE: u64 = 4096;
 
 fn efault() -> io::Error {
     io::Error::from_raw_os_error(libc::EFAULT)
@@ -34,11 +73,35 @@ impl GuestMemory {
         }
         let mem = SharedMemory::new("guest-ram", size as u64)?;
         let fd = mem.fd();
+        let words = (size as u64 / PAGE).div_ceil(64) as usize;
         Ok(GuestMemory {
             mem: Arc::new(mem),
             fd,
             base,
+            dirty: Arc::new(CpuDirtyLog {
+                on: AtomicBool::new(false),
+                bits: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            }),
         })
+    }
+
+    /// Start the CPU dirty log with every page clean (see the module doc).
+    pub fn cpu_dirty_start(&self) {
+        for w in &self.dirty.bits {
+            w.store(0, Release);
+        }
+        self.dirty.on.store(true, Release);
+    }
+
+    /// Stop the CPU dirty log.
+    pub fn cpu_dirty_stop(&self) {
+        self.dirty.on.store(false, Release);
+    }
+
+    /// The pages written since the start or the last take (bit n of word n / 64 is the page
+    /// at `base() + n × 4096`), cleared as they are read.
+    pub fn cpu_dirty_take(&self) -> Vec<u64> {
+        self.dirty.bits.iter().map(|w| w.swap(0, AcqRel)).collect()
     }
 
     /// Guest address of the first byte.
@@ -71,7 +134,9 @@ impl GuestMemory {
     /// Copy `data` into guest memory at `gpa`.
     pub fn write(&self, gpa: u64, data: &[u8]) -> io::Result<()> {
         let off = self.offset_of(gpa, data.len() as u64)?;
-        self.mem.write_at(off, data)
+        self.mem.write_at(off, data)?;
+        self.dirty.mark(off, data.len() as u64);
+        Ok(())
     }
 
     /// Copy guest memory at `gpa` into `buf`.
@@ -102,6 +167,7 @@ impl GuestMemory {
     /// Fill `[gpa, gpa + len)` with `byte`.
     pub fn fill(&self, gpa: u64, len: usize, byte: u8) -> io::Result<()> {
         let mut off = self.offset_of(gpa, len as u64)?;
+        let (start, total) = (off, len as u64);
         let chunk = [byte; 4096];
         let mut left = len;
         while left > 0 {
@@ -110,6 +176,7 @@ impl GuestMemory {
             off += n as u64;
             left -= n;
         }
+        self.dirty.mark(start, total);
         Ok(())
     }
 

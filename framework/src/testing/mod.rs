@@ -55,6 +55,8 @@
 //!   memory whose DMA_READ/DMA_WRITE it answers ([`FdlessMemory`]: honestly, with errors,
 //!   never, or QEMU-like after its own reply), DMA map/unmap, region access, a request log;
 //!   migration (the features, MIG_DATA loops) and DMA logging (`vmm_migration.rs`).
+//! - [`Migration`] / [`migrate`]: the VMM-side live-migration driver that moves a running
+//!   device and its guest RAM from one [`Vmm`]'s server to another's (`migrate.rs`).
 //! - [`DeviceAccess`]: what a guest driver does with a device (8/16/32/64-bit accesses, the
 //!   capability walk, enabling the device, MSI, MSI-X, INTx), written once for the socket
 //!   ([`Vmm`]) and for a [`PciAdapter`](crate::pci::PciAdapter) called in-process.
@@ -77,6 +79,7 @@
 mod access;
 mod fdless;
 mod guest_memory;
+mod migrate;
 mod raw_client;
 mod rng;
 mod server;
@@ -93,6 +96,10 @@ pub use access::{
 };
 pub use fdless::{Answer, DmaRequest, FdlessMemory};
 pub use guest_memory::GuestMemory;
+pub use migrate::{
+    migrate, ms, MigrateError, MigrateOptions, Migration, MigrationReport, RoundReport, Side,
+    MIGRATION_PAGE,
+};
 pub use raw_client::{Msg, RawClient, DEFAULT_CAPS, READ_TIMEOUT};
 pub use rng::Rng;
 pub use server::{SharedDevice, TestServer, TestServerBuilder, TEST_REMOTE_DMA_TIMEOUT};

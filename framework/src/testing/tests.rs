@@ -325,3 +325,36 @@ fn test_memfd_is_sized_and_may_shrink() {
     f.set_len(0).unwrap();
     assert_eq!(f.metadata().unwrap().len(), 0);
 }
+
+#[test]
+fn test_guest_memory_cpu_dirty_log_marks_written_pages_only_while_on() {
+    let ram = GuestMemory::new(0x10_0000, 256 * 4096).unwrap();
+    let clone = ram.clone();
+    ram.write(0x10_0000, &[1]).unwrap();
+    assert!(
+        ram.cpu_dirty_take().iter().all(|&w| w == 0),
+        "logged while off"
+    );
+    ram.cpu_dirty_start();
+    // A write across a page boundary, a fill through a clone, a u64 in page 200.
+    ram.write(0x10_0000 + 4095, &[1, 2]).unwrap();
+    clone.fill(0x10_0000 + 70 * 4096, 8192, 0xaa).unwrap();
+    ram.write_u64(0x10_0000 + 200 * 4096 + 8, 5).unwrap();
+    let bits = ram.cpu_dirty_take();
+    let pages: Vec<u64> = (0..256u64)
+        .filter(|p| bits[(p / 64) as usize] >> (p % 64) & 1 != 0)
+        .collect();
+    assert_eq!(pages, vec![0, 1, 70, 71, 200]);
+    assert!(ram.cpu_dirty_take().iter().all(|&w| w == 0), "take clears");
+    ram.read_vec(0x10_0000, 4096).unwrap();
+    assert!(
+        ram.cpu_dirty_take().iter().all(|&w| w == 0),
+        "a read marks nothing"
+    );
+    ram.cpu_dirty_stop();
+    ram.write(0x10_0000, &[1]).unwrap();
+    assert!(
+        ram.cpu_dirty_take().iter().all(|&w| w == 0),
+        "logged after stop"
+    );
+}

@@ -178,6 +178,11 @@ impl Vmm {
             .expect("this VMM has no guest RAM (Vmm::with_ram)")
     }
 
+    /// The guest RAM added by [`Vmm::with_ram`], if any.
+    pub fn ram_opt(&self) -> Option<&GuestMemory> {
+        self.ram.as_ref()
+    }
+
     /// The raw client underneath (for messages the VMM has no method for).
     pub fn client(&mut self) -> &mut RawClient {
         &mut self.client
