@@ -19,204 +19,47 @@
 //!
 //! The guest's interrupt eventfd is the VMM's: the destination VMM attaches the same one
 //! (SET_IRQS) before the destination runs.
+//!
+//! The scene, its guest driver, the servers and the GPU's migration run are
+//! `umdev_devices::testing::migration`'s, shared with `tests/migration_e2e.rs` (which draws
+//! a shorter scene).
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use umdev::device::irq_index;
-use umdev::dma::{DmaConfig, DmaSpace};
-use umdev::pci::PciAdapter;
 use umdev::server::RunningServer;
 use umdev::testing::{
-    ms, wait_eventfd, DeviceAccess, GuestMemory, MigrateOptions, Migration, MigrationReport, Vmm,
-    MIGRATION_CAPS,
+    ms, wait_eventfd, DeviceAccess, MigrateOptions, Migration, MigrationReport, Vmm,
 };
-use umdev_devices::ccw::driver::{
-    self as ccw, regs as ccw_regs, CcwWord, OperationBlock, StatusBlock,
-};
+use umdev_devices::ccw::driver::{self as ccw, regs as ccw_regs, OperationBlock, StatusBlock};
 use umdev_devices::ccw::{Ccw, CcwConfig};
-use umdev_devices::gpu::commands::Command as GpuCmd;
-use umdev_devices::gpu::driver::Driver;
-use umdev_devices::gpu::regs::IRQ_FENCE;
-use umdev_devices::gpu::{Gpu, GpuConfig, BAR_FB, DEFAULT_FB_SIZE};
-use umdev_devices::testing::{run_ccw_program, Bar0};
-use vmm_sys_util::eventfd::EventFd;
+use umdev_devices::gpu::{GpuConfig, DEFAULT_FB_SIZE};
+use umdev_devices::testing::migration::{
+    migrate_mid_scene, serve_gpu, serve_migrating, GpuGuest, HEIGHT, RAM_BASE, STRIDE, WIDTH,
+};
+use umdev_devices::testing::{ccw_chain, run_ccw_program, CCW_CHUNK};
 
-use crate::demo::{fill_pattern, serve, write_framebuffer_png};
+use crate::demo::{fill_pattern, write_framebuffer_png};
 use crate::CliResult;
 
-const RAM_BASE: u64 = 1 << 30;
 const RAM_SIZE: usize = 16 << 20;
-const PAGE: u64 = 4096;
-const WIDTH: u32 = 1024;
-const HEIGHT: u32 = 768;
-const STRIDE: u32 = WIDTH * 4;
 /// Frames of the scene; half are drawn on each side.
 const FRAMES: u32 = 16;
 /// PRE_COPY rounds (the guest draws a frame before each).
 const ROUNDS: usize = 5;
-const RING: u64 = RAM_BASE;
-const RING_SIZE: u32 = 64 * 1024;
-/// The 32×32 sprite (one page, GTT entry 0).
-const SPRITE: u64 = RAM_BASE + (4 << 20);
-/// The read-back surface: 64×64 pixels in 4 pages, GTT entries 8..12, writable.
-const READBACK: u64 = RAM_BASE + (5 << 20);
-const READBACK_GTT: u32 = 8;
-
-/// The commands of frame `f`.
-fn frame_commands(f: u32) -> Vec<GpuCmd> {
-    let mut c = Vec::new();
-    if f == 0 {
-        c.push(GpuCmd::FillRect {
-            x: 0,
-            y: 0,
-            w: WIDTH,
-            h: HEIGHT,
-            color: 0x0018_2838,
-        });
-        c.push(GpuCmd::FillRect {
-            x: 20,
-            y: 560,
-            w: 984,
-            h: 180,
-            color: 0x0030_4860,
-        });
-    }
-    // The moving box and the sprite: the small region redrawn every frame.
-    c.push(GpuCmd::FillRect {
-        x: 30 + f * 58,
-        y: 80 + (f % 4) * 90,
-        w: 40,
-        h: 24,
-        color: 0x00e0_4020 + f * 0x0000_0c08,
-    });
-    c.push(GpuCmd::Blit {
-        gtt_index: 0,
-        stride: 128,
-        w: 32,
-        h: 32,
-        dst_x: 40 + f * 60,
-        dst_y: 600,
-    });
-    if f == 5 {
-        // Read the boxes of frames 0..=4 back into guest RAM (device DMA) ...
-        c.push(GpuCmd::Readback {
-            src_x: 30,
-            src_y: 80,
-            w: 64,
-            h: 64,
-            gtt_index: READBACK_GTT,
-            stride: 256,
-        });
-    }
-    if f == FRAMES - 3 {
-        // ... and show it again, after the migration.
-        c.push(GpuCmd::Blit {
-            gtt_index: READBACK_GTT,
-            stride: 256,
-            w: 64,
-            h: 64,
-            dst_x: 900,
-            dst_y: 460,
-        });
-    }
-    c.push(GpuCmd::Fence { value: f + 1 });
-    c
-}
-
-/// The guest: its GPU driver (ring position), its RAM, its interrupt eventfd.
-struct GpuGuest {
-    drv: Driver<Bar0<Vmm>>,
-    ram: GuestMemory,
-    irq: EventFd,
-    frame: u32,
-    interrupts: u64,
-}
-
-impl GpuGuest {
-    /// Boot: enable the device and MSI, set the mode, the ring, the GTT; a sprite in RAM.
-    fn boot(mut vmm: Vmm) -> Result<GpuGuest, Box<dyn std::error::Error>> {
-        vmm.enable_device()?;
-        let irq = vmm.enable_msi()?;
-        let ram = vmm.ram().clone();
-        let sprite: Vec<u8> = (0..32u32 * 32)
-            .flat_map(|i| {
-                let (x, y) = (i % 32, i / 32);
-                let inside = (x as i32 - 16).pow(2) + (y as i32 - 16).pow(2) < 200;
-                let px = if inside {
-                    0x00f0_d040 | (x * 4) << 8
-                } else {
-                    0x0010_1010 + y
-                };
-                px.to_le_bytes()
-            })
-            .collect();
-        ram.write(SPRITE, &sprite)?;
-        let mut drv = Driver::probe(Bar0(vmm))?;
-        drv.set_mode(WIDTH, HEIGHT, STRIDE)?;
-        drv.setup_ring(RING, RING_SIZE)?;
-        drv.enable_irqs(IRQ_FENCE)?;
-        drv.set_gtt(0, SPRITE, false)?;
-        for i in 0..4 {
-            drv.set_gtt(READBACK_GTT + i, READBACK + u64::from(i) * PAGE, true)?;
-        }
-        Ok(GpuGuest {
-            drv,
-            ram,
-            irq,
-            frame: 0,
-            interrupts: 0,
-        })
-    }
-
-    /// Draw the next frame and wait for its fence (and acknowledge its interrupt).
-    fn frame(&mut self) -> std::io::Result<()> {
-        let f = self.frame;
-        let mut ram = self.ram.clone();
-        self.drv.submit(&mut ram, &frame_commands(f))?;
-        self.drv.wait_fence(f + 1)?;
-        if let Some(n) = wait_eventfd(&self.irq, Duration::from_secs(5)) {
-            self.interrupts += n;
-        }
-        self.drv.ack(IRQ_FENCE)?;
-        self.frame += 1;
-        Ok(())
-    }
-
-    fn vmm(&mut self) -> &mut Vmm {
-        &mut self.drv.regs().0
-    }
-}
 
 /// A GPU server on `socket` and a VMM connected to it with the demo's RAM.
-fn gpu_server(
-    socket: &Path,
-    dma: &Arc<DmaSpace>,
-) -> Result<(RunningServer, Vmm), Box<dyn std::error::Error>> {
-    let dev = PciAdapter::new(Gpu::new(GpuConfig::default())?)?;
-    let server = serve(socket, Box::new(dev), dma)?;
-    let vmm = Vmm::connect_with_caps(socket, MIGRATION_CAPS)?.with_ram(RAM_BASE, RAM_SIZE)?;
-    Ok((server, vmm))
-}
-
-/// The whole framebuffer, read through BAR2's mapping.
-fn framebuffer(vmm: &mut Vmm) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
-    let fb = vmm.map_region(BAR_FB as u32)?;
-    let mut out = vec![0u8; fb.len()];
-    fb.read(0, &mut out)?;
-    Ok(out)
+fn gpu_server(socket: &Path) -> Result<(RunningServer, Vmm), Box<dyn std::error::Error>> {
+    Ok(serve_gpu(socket, GpuConfig::default(), RAM_SIZE)?)
 }
 
 /// The scene on one GPU, no migration.
 fn reference(dir: &Path, out_dir: &Path) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
-    let dma = DmaSpace::new(DmaConfig::default());
-    let (server, vmm) = gpu_server(&dir.join("reference.sock"), &dma)?;
-    let mut guest = GpuGuest::boot(vmm)?;
-    for _ in 0..FRAMES {
-        guest.frame()?;
-    }
-    let fb = framebuffer(guest.vmm())?;
+    let (server, vmm) = gpu_server(&dir.join("reference.sock"))?;
+    let mut guest = GpuGuest::boot(vmm, FRAMES)?;
+    guest.finish()?;
+    let fb = guest.framebuffer()?;
     write_framebuffer_png(
         guest.vmm(),
         WIDTH,
@@ -244,41 +87,15 @@ fn migrated(
     png: Option<&Path>,
 ) -> Result<GpuRun, Box<dyn std::error::Error>> {
     let tag = if pre_copy { "pre" } else { "stop" };
-    let (dma_src, dma_dst) = (
-        DmaSpace::new(DmaConfig::default()),
-        DmaSpace::new(DmaConfig::default()),
-    );
-    let (src_server, vmm) = gpu_server(&dir.join(format!("src-{tag}.sock")), &dma_src)?;
-    let mut guest = GpuGuest::boot(vmm)?;
-    // Before the migration: all source frames but one per round and the one after them.
-    while guest.frame < FRAMES / 2 - ROUNDS as u32 - 1 {
-        guest.frame()?;
-    }
-    let (dst_server, mut dst) = gpu_server(&dir.join(format!("dst-{tag}.sock")), &dma_dst)?;
-    let opts = MigrateOptions {
-        pre_copy,
-        max_rounds: ROUNDS,
-        small_round_bytes: 0,
-    };
-    let mut m = Migration::start(guest.vmm(), &mut dst, &opts)?;
-    for _ in 0..ROUNDS {
-        guest.frame()?;
-        m.round(guest.vmm(), &mut dst)?;
-    }
-    // The last frame on the source, after the last round: STOP_COPY carries it.
-    guest.frame()?;
-    m.stop_copy(guest.vmm(), &mut dst)?;
-    // The guest's interrupt goes on to the destination: the same eventfd.
-    dst.set_irq_eventfd(irq_index::MSI, 0, &guest.irq)?;
-    let report = m.resume_destination(guest.vmm(), &mut dst)?;
-    // The guest continues on the destination: its VMM connection and RAM are swapped.
-    std::mem::swap(guest.vmm(), &mut dst);
-    guest.ram = guest.vmm().ram().clone();
-    let interrupts_before = guest.interrupts;
-    while guest.frame < FRAMES {
-        guest.frame()?;
-    }
-    let fb = framebuffer(guest.vmm())?;
+    let (src_server, vmm) = gpu_server(&dir.join(format!("src-{tag}.sock")))?;
+    let mut guest = GpuGuest::boot(vmm, FRAMES)?;
+    let (dst_server, mut dst) = gpu_server(&dir.join(format!("dst-{tag}.sock")))?;
+    // Frames 0..FRAMES / 2 on the source (one per round, one after the last round: STOP_COPY
+    // carries it), then the guest continues on the destination with its RAM.
+    let report = migrate_mid_scene(&mut guest, &mut dst, pre_copy, ROUNDS)?;
+    let interrupts_before = guest.interrupts();
+    guest.finish()?;
+    let fb = guest.framebuffer()?;
     if let Some(p) = png {
         write_framebuffer_png(guest.vmm(), WIDTH, HEIGHT, STRIDE, p)?;
     }
@@ -287,7 +104,7 @@ fn migrated(
         .zip(reference.chunks_exact(4))
         .filter(|(a, b)| a != b)
         .count();
-    let interrupts_after = guest.interrupts - interrupts_before;
+    let interrupts_after = guest.interrupts() - interrupts_before;
     drop(guest);
     drop(dst);
     dst_server.shutdown()?;
@@ -299,8 +116,6 @@ fn migrated(
     })
 }
 
-/// 32 KiB per CCW.
-const CHUNK: u64 = 32 << 10;
 /// The data set: (first block, CCWs) of parts A (before), B (in flight at STOP), C (after).
 const PARTS: [(u64, u64); 3] = [(0, 2), (256, 40), (8192, 3)];
 /// Where part `i`'s data is in guest RAM, and where it is read back to.
@@ -308,25 +123,6 @@ fn part_buffer(i: usize) -> u64 {
     RAM_BASE + (1 << 20) + i as u64 * (2 << 20)
 }
 const READ_BACK: u64 = RAM_BASE + (8 << 20);
-
-/// A program moving `ccws` × 32 KiB between the image and guest RAM at `data`.
-fn program(write: bool, data: u64, ccws: u64) -> Vec<CcwWord> {
-    (0..ccws)
-        .map(|i| {
-            let addr = data + i * CHUNK;
-            let w = if write {
-                CcwWord::write(CHUNK as u16, addr)
-            } else {
-                CcwWord::read(CHUNK as u16, addr)
-            };
-            if i + 1 < ccws {
-                w.chain()
-            } else {
-                w
-            }
-        })
-        .collect()
-}
 
 /// What the ccw migration showed.
 struct CcwRun {
@@ -340,12 +136,9 @@ struct CcwRun {
 fn ccw_server(
     socket: &Path,
     image: &Path,
-    dma: &Arc<DmaSpace>,
 ) -> Result<(RunningServer, Vmm), Box<dyn std::error::Error>> {
-    let dev = PciAdapter::new(Ccw::new(CcwConfig::new(image).with_capacity(32768))?)?;
-    let server = serve(socket, Box::new(dev), dma)?;
-    let vmm = Vmm::connect_with_caps(socket, MIGRATION_CAPS)?.with_ram(RAM_BASE, RAM_SIZE)?;
-    Ok((server, vmm))
+    let dev = Ccw::new(CcwConfig::new(image).with_capacity(32768))?;
+    Ok(serve_migrating(socket, dev, RAM_SIZE)?)
 }
 
 fn status_ok(st: &StatusBlock) -> bool {
@@ -353,11 +146,7 @@ fn status_ok(st: &StatusBlock) -> bool {
 }
 
 fn ccw_migration(dir: &Path, image: &Path) -> Result<CcwRun, Box<dyn std::error::Error>> {
-    let (dma_src, dma_dst) = (
-        DmaSpace::new(DmaConfig::default()),
-        DmaSpace::new(DmaConfig::default()),
-    );
-    let (src_server, mut src) = ccw_server(&dir.join("ccw-src.sock"), image, &dma_src)?;
+    let (src_server, mut src) = ccw_server(&dir.join("ccw-src.sock"), image)?;
     src.enable_device()?;
     let irq = src.enable_msi()?;
     let ram = src.ram().clone();
@@ -365,7 +154,7 @@ fn ccw_migration(dir: &Path, image: &Path) -> Result<CcwRun, Box<dyn std::error:
         .iter()
         .enumerate()
         .map(|(i, &(_, ccws))| {
-            let mut d = vec![0u8; (ccws * CHUNK) as usize];
+            let mut d = vec![0u8; (ccws * CCW_CHUNK) as usize];
             fill_pattern(&mut d, 0x5eed + i as u64);
             d
         })
@@ -379,12 +168,12 @@ fn ccw_migration(dir: &Path, image: &Path) -> Result<CcwRun, Box<dyn std::error:
         &mut src,
         &ram,
         &irq,
-        &program(true, part_buffer(0), ccws),
+        &ccw_chain(true, part_buffer(0), ccws),
         block,
     )?;
     let mut statuses_ok = status_ok(&st);
 
-    let (dst_server, mut dst) = ccw_server(&dir.join("ccw-dst.sock"), image, &dma_dst)?;
+    let (dst_server, mut dst) = ccw_server(&dir.join("ccw-dst.sock"), image)?;
     let mut m = Migration::start(
         &mut src,
         &mut dst,
@@ -398,7 +187,7 @@ fn ccw_migration(dir: &Path, image: &Path) -> Result<CcwRun, Box<dyn std::error:
     let (block, ccws) = PARTS[1];
     ram.write(
         prog,
-        &ccw::encode_program(&program(true, part_buffer(1), ccws)),
+        &ccw::encode_program(&ccw_chain(true, part_buffer(1), ccws)),
     )?;
     let ob = OperationBlock {
         program: prog,
@@ -437,21 +226,21 @@ fn ccw_migration(dir: &Path, image: &Path) -> Result<CcwRun, Box<dyn std::error:
         &mut dst,
         &ram,
         &irq,
-        &program(true, part_buffer(2), ccws),
+        &ccw_chain(true, part_buffer(2), ccws),
         block,
     )?;
     statuses_ok &= status_ok(&st);
     let mut intact = statuses_ok && b_status_ok;
     for (i, &(block, ccws)) in PARTS.iter().enumerate() {
-        ram.fill(READ_BACK, (ccws * CHUNK) as usize, 0)?;
+        ram.fill(READ_BACK, (ccws * CCW_CHUNK) as usize, 0)?;
         let st = run_ccw_program(
             &mut dst,
             &ram,
             &irq,
-            &program(false, READ_BACK, ccws),
+            &ccw_chain(false, READ_BACK, ccws),
             block,
         )?;
-        let back = ram.read_vec(READ_BACK, (ccws * CHUNK) as usize)?;
+        let back = ram.read_vec(READ_BACK, (ccws * CCW_CHUNK) as usize)?;
         intact &= status_ok(&st) && back == data[i];
     }
     drop(src);
@@ -547,7 +336,7 @@ pub fn run(out_dir: &Path, image: Option<&Path>) -> CliResult {
     let c = ccw_migration(dir.path(), &image)?;
     println!(
         "ccw: data set of {} KiB (part A before, B started right before STOP, C after) read back on the destination: {}",
-        PARTS.iter().map(|p| p.1 * CHUNK).sum::<u64>() >> 10,
+        PARTS.iter().map(|p| p.1 * CCW_CHUNK).sum::<u64>() >> 10,
         if c.intact { "intact" } else { "MISMATCH" }
     );
     println!(

@@ -1,8 +1,9 @@
 //! The example devices' guest drivers on umdev's test harness ([`umdev::testing`]): BAR0 as
 //! the GPU driver's [`RegisterAccess`] over any [`DeviceAccess`] (the embedded
 //! [`Vmm`](umdev::testing::Vmm) through the socket, or a `PciAdapter` in-process), guest
-//! memory as the driver's [`GuestRam`], and the ccw guest driver's whole round trip
-//! ([`run_ccw_program`]).
+//! memory as the driver's [`GuestRam`], the ccw guest driver's whole round trip
+//! ([`run_ccw_program`]) and its data-moving programs ([`ccw_chain`]); and, in
+//! [`migration`], the devices moved by live migration (a GPU scene drawn across one).
 //!
 //! Needs the `testing` feature (which turns on umdev's).
 
@@ -15,6 +16,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::ccw::driver::{self as ccw, regs as ccw_regs, CcwWord, OperationBlock, StatusBlock};
 use crate::gpu::driver::{GuestRam, RegisterAccess};
+
+pub mod migration;
+
+/// Bytes each CCW of a [`ccw_chain`] program moves (32 KiB).
+pub const CCW_CHUNK: u64 = 32 << 10;
 
 /// BAR0 of a device, for the guest drivers: `Bar0(&mut vmm)` through the socket,
 /// `Bar0(adapter)` in-process. 64-bit registers are written with one 8-byte access.
@@ -81,4 +87,25 @@ pub fn run_ccw_program(
     let mut sb = [0u8; ccw::STATUS_BLOCK_SIZE];
     ram.read(status, &mut sb)?;
     Ok(StatusBlock::from_bytes(&sb))
+}
+
+/// A program of `ccws` chained CCWs moving `ccws` × [`CCW_CHUNK`] bytes between the image
+/// (from the operation block's block on) and guest memory at `data` (contiguous): to the
+/// image when `write`, from it otherwise.
+pub fn ccw_chain(write: bool, data: u64, ccws: u64) -> Vec<CcwWord> {
+    (0..ccws)
+        .map(|i| {
+            let addr = data + i * CCW_CHUNK;
+            let w = if write {
+                CcwWord::write(CCW_CHUNK as u16, addr)
+            } else {
+                CcwWord::read(CCW_CHUNK as u16, addr)
+            };
+            if i + 1 < ccws {
+                w.chain()
+            } else {
+                w
+            }
+        })
+        .collect()
 }
