@@ -46,21 +46,43 @@ fn reference_scene(dir: &Path) -> Vec<u8> {
     fb
 }
 
+/// A guest booted on a source GPU and a destination GPU (`dst_fb_size` of framebuffer),
+/// served from `dir` (sockets named after `pre_copy`).
+struct Pair {
+    src_server: RunningServer,
+    guest: GpuGuest,
+    dst_server: RunningServer,
+    dst: Vmm,
+}
+
+impl Pair {
+    fn new(dir: &Path, pre_copy: bool, dst_fb_size: u64) -> Pair {
+        let (src_server, vmm) = gpu(&dir.join(format!("src{pre_copy}.sock")), DEFAULT_FB_SIZE);
+        let (dst_server, dst) = gpu(&dir.join(format!("dst{pre_copy}.sock")), dst_fb_size);
+        Pair {
+            src_server,
+            guest: boot(vmm),
+            dst_server,
+            dst,
+        }
+    }
+
+    fn shutdown(self) {
+        drop(self.guest);
+        drop(self.dst);
+        self.dst_server.shutdown().unwrap();
+        self.src_server.shutdown().unwrap();
+    }
+}
+
 #[test]
 fn test_migration_e2e_gpu_scene_half_before_half_after_pixel_identical() {
     let dir = tempfile::tempdir().unwrap();
     let reference = reference_scene(dir.path());
     for pre_copy in [true, false] {
-        let (src_server, vmm) = gpu(
-            &dir.path().join(format!("src{pre_copy}.sock")),
-            DEFAULT_FB_SIZE,
-        );
-        let mut guest = boot(vmm);
-        let (dst_server, mut dst) = gpu(
-            &dir.path().join(format!("dst{pre_copy}.sock")),
-            DEFAULT_FB_SIZE,
-        );
-        let report = migrate_mid_scene(&mut guest, &mut dst, pre_copy, ROUNDS).unwrap();
+        let mut p = Pair::new(dir.path(), pre_copy, DEFAULT_FB_SIZE);
+        let Pair { guest, dst, .. } = &mut p;
+        let report = migrate_mid_scene(guest, dst, pre_copy, ROUNDS).unwrap();
         assert_eq!(guest.next_frame(), FRAMES / 2);
         println!("{report}");
         guest.finish().unwrap();
@@ -84,14 +106,11 @@ fn test_migration_e2e_gpu_scene_half_before_half_after_pixel_identical() {
         } else {
             assert!(report.rounds.iter().all(|r| r.device_bytes == 0));
         }
-        // The source stayed stopped where the migration left it.
-        let mut src = dst;
+        // The source stayed stopped where the migration left it (`dst` holds its VMM now).
+        let src = dst;
         assert_eq!(src.mig_state().unwrap(), MigState::Stop);
         assert_eq!(src.read32(0, REG_FENCE_VALUE).unwrap(), FRAMES / 2);
-        drop(guest);
-        drop(src);
-        dst_server.shutdown().unwrap();
-        src_server.shutdown().unwrap();
+        p.shutdown();
     }
 }
 
@@ -100,37 +119,25 @@ fn test_migration_e2e_gpu_destination_refuses_stream_source_running_and_still_dr
     let dir = tempfile::tempdir().unwrap();
     let reference = reference_scene(dir.path());
     for pre_copy in [true, false] {
-        let (src_server, vmm) = gpu(
-            &dir.path().join(format!("src{pre_copy}.sock")),
-            DEFAULT_FB_SIZE,
-        );
-        let mut guest = boot(vmm);
-        guest.frame().unwrap();
         // A GPU with another framebuffer size cannot take this GPU's state.
-        let (dst_server, mut dst) = gpu(&dir.path().join(format!("dst{pre_copy}.sock")), 8 << 20);
+        let mut p = Pair::new(dir.path(), pre_copy, 8 << 20);
+        let Pair { guest, dst, .. } = &mut p;
+        guest.frame().unwrap();
         let opts = MigrateOptions {
             pre_copy,
             max_rounds: 1,
             small_round_bytes: 0,
         };
         let err = (|| {
-            let mut m = Migration::start(guest.vmm(), &mut dst, &opts)?;
+            let mut m = Migration::start(guest.vmm(), dst, &opts)?;
             guest.frame().unwrap();
-            m.round(guest.vmm(), &mut dst)?;
-            m.stop_copy(guest.vmm(), &mut dst)?;
-            m.resume_destination(guest.vmm(), &mut dst)
+            m.round(guest.vmm(), dst)?;
+            m.stop_copy(guest.vmm(), dst)?;
+            m.resume_destination(guest.vmm(), dst)
         })()
         .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                MigrateError::Step {
-                    side: Side::Destination,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
+        assert!(matches!(err, MigrateError::Step { .. }), "{err:?}");
+        assert_eq!(err.side(), Some(Side::Destination), "{err:?}");
         assert_eq!(err.errno(), Some(libc::EINVAL), "{err}");
         assert!(err.source_running());
         assert_eq!(guest.vmm().mig_state().unwrap(), MigState::Running);
@@ -145,10 +152,7 @@ fn test_migration_e2e_gpu_destination_refuses_stream_source_running_and_still_dr
             guest.framebuffer().unwrap() == reference,
             "pre_copy={pre_copy}: the source's scene differs"
         );
-        drop(guest);
-        drop(dst);
-        dst_server.shutdown().unwrap();
-        src_server.shutdown().unwrap();
+        p.shutdown();
     }
 }
 

@@ -14,6 +14,7 @@ use umdev::pci::PciDevice;
 use umdev_devices::ccw::driver::{self, regs, CcwWord, OperationBlock, StatusBlock};
 use umdev_devices::ccw::migration::{CcwStateV1, InFlightV1, STATE_FORMAT, STATE_VERSION};
 use umdev_devices::ccw::{Ccw, CcwConfig};
+use umdev_devices::testing::{ccw_chain, CCW_CHUNK};
 use vmm_sys_util::eventfd::EventFd;
 
 /// The device's migration interface, as the framework reaches it.
@@ -29,8 +30,6 @@ fn fired(efd: &EventFd) -> u64 {
     efd.read().unwrap_or(0)
 }
 
-/// 32 KiB per CCW.
-const CHUNK: u64 = 32 << 10;
 /// The data set written while the migration happens: 40 chained CCWs, 1.25 MiB.
 const BIG_CCWS: u64 = 40;
 /// Where each part of the data set goes on the image (blocks).
@@ -39,25 +38,6 @@ const BLOCK_B: u64 = 64;
 const BLOCK_C: u64 = 4096;
 /// A small part's guest buffer.
 const SMALL: u64 = DATA + 0x18_0000;
-
-/// A program moving `ccws` × `CHUNK` bytes between the image and guest memory at `data`.
-fn program(write: bool, data: u64, ccws: u64) -> Vec<CcwWord> {
-    (0..ccws)
-        .map(|i| {
-            let addr = data + i * CHUNK;
-            let w = if write {
-                CcwWord::write(CHUNK as u16, addr)
-            } else {
-                CcwWord::read(CHUNK as u16, addr)
-            };
-            if i + 1 < ccws {
-                w.chain()
-            } else {
-                w
-            }
-        })
-        .collect()
-}
 
 /// Place `program` and its operation block (status at STATUS) and START it; no wait.
 fn start(rig: &mut Rig, program: &[CcwWord], block: u64) {
@@ -123,13 +103,13 @@ struct Seen {
 fn round(seed: u64, catch: Catch) -> Seen {
     let mut src = Rig::new();
     let mut rng = seeded(seed);
-    let a = rng.bytes(CHUNK as usize);
-    let b = rng.bytes((BIG_CCWS * CHUNK) as usize);
-    let c = rng.bytes(CHUNK as usize);
+    let a = rng.bytes(CCW_CHUNK as usize);
+    let b = rng.bytes((BIG_CCWS * CCW_CHUNK) as usize);
+    let c = rng.bytes(CCW_CHUNK as usize);
     src.guest_write(SMALL, &a);
-    assert!(src.run(&program(true, SMALL, 1), BLOCK_A).is_ok());
+    assert!(src.run(&ccw_chain(true, SMALL, 1), BLOCK_A).is_ok());
     src.guest_write(DATA, &b);
-    let big = program(true, DATA, BIG_CCWS);
+    let big = ccw_chain(true, DATA, BIG_CCWS);
     match catch {
         Catch::BeforeStart => {
             mig(&mut src).stop().unwrap();
@@ -191,7 +171,7 @@ fn round(seed: u64, catch: Catch) -> Seen {
     // second program of the device's life.
     let st: StatusBlock = dst.status();
     assert!(st.is_ok(), "{catch:?}: {st:?}");
-    assert_eq!((st.sequence, st.transferred), (2, BIG_CCWS * CHUNK));
+    assert_eq!((st.sequence, st.transferred), (2, BIG_CCWS * CCW_CHUNK));
     assert_eq!(dst.reg(regs::COMPLETED), 2);
     assert_eq!(dst.reg(regs::IRQ_STATUS), regs::IRQ_DONE);
     dst.set_reg(regs::IRQ_STATUS, regs::IRQ_ALL);
@@ -199,14 +179,14 @@ fn round(seed: u64, catch: Catch) -> Seen {
 
     // Part C on the destination, then everything read back there.
     dst.guest_write(SMALL, &c);
-    assert!(dst.run(&program(true, SMALL, 1), BLOCK_C).is_ok());
+    assert!(dst.run(&ccw_chain(true, SMALL, 1), BLOCK_C).is_ok());
     for (block, expect, area, ccws) in [
         (BLOCK_A, &a, SMALL, 1),
         (BLOCK_B, &b, DATA, BIG_CCWS),
         (BLOCK_C, &c, SMALL, 1),
     ] {
         dst.guest_write(area, &vec![0u8; expect.len()]);
-        let st = dst.run(&program(false, area, ccws), block);
+        let st = dst.run(&ccw_chain(false, area, ccws), block);
         assert!(st.is_ok(), "{st:?}");
         assert!(
             dst.guest_read(area, expect.len()) == *expect,
@@ -253,9 +233,9 @@ fn test_ccw_stop_then_resume_on_source_completes_held_program_once() {
     for catch in [Catch::BeforeStart, Catch::WhilePinned] {
         let mut rig = Rig::new();
         let mut rng = seeded(7);
-        let b = rng.bytes((BIG_CCWS * CHUNK) as usize);
+        let b = rng.bytes((BIG_CCWS * CCW_CHUNK) as usize);
         rig.guest_write(DATA, &b);
-        let big = program(true, DATA, BIG_CCWS);
+        let big = ccw_chain(true, DATA, BIG_CCWS);
         if catch == Catch::BeforeStart {
             mig(&mut rig).stop().unwrap();
             start(&mut rig, &big, BLOCK_B);
@@ -288,11 +268,11 @@ fn test_ccw_stop_then_resume_on_source_completes_held_program_once() {
 fn test_ccw_migration_newer_version_cut_short_or_other_image_refused_destination_works() {
     let mut src = Rig::new();
     let mut rng = seeded(3);
-    let a = rng.bytes(CHUNK as usize);
+    let a = rng.bytes(CCW_CHUNK as usize);
     src.guest_write(SMALL, &a);
-    assert!(src.run(&program(true, SMALL, 1), BLOCK_A).is_ok());
+    assert!(src.run(&ccw_chain(true, SMALL, 1), BLOCK_A).is_ok());
     mig(&mut src).stop().unwrap();
-    start(&mut src, &program(true, SMALL, 1), BLOCK_C);
+    start(&mut src, &ccw_chain(true, SMALL, 1), BLOCK_C);
     let state = mig(&mut src).save().unwrap();
 
     let mut dst = destination(&src);
@@ -351,16 +331,16 @@ fn test_ccw_migration_newer_version_cut_short_or_other_image_refused_destination
     assert!(mig(&mut fresh).load(&state[..state.len() / 2]).is_err());
     mig(&mut fresh).resume().unwrap();
     assert!(fresh
-        .run(&program(false, SMALL + CHUNK, 1), BLOCK_A)
+        .run(&ccw_chain(false, SMALL + CCW_CHUNK, 1), BLOCK_A)
         .is_ok());
-    assert_eq!(fresh.guest_read(SMALL + CHUNK, a.len()), a);
+    assert_eq!(fresh.guest_read(SMALL + CCW_CHUNK, a.len()), a);
 }
 
 #[test]
 fn test_ccw_reset_while_stopped_drops_held_program() {
     let mut rig = Rig::new();
     mig(&mut rig).stop().unwrap();
-    start(&mut rig, &program(true, SMALL, 1), BLOCK_A);
+    start(&mut rig, &ccw_chain(true, SMALL, 1), BLOCK_A);
     assert_ne!(rig.reg(regs::STATUS) & regs::STATUS_BUSY, 0);
     PciDevice::reset(rig.dev.device_mut());
     let state = mig(&mut rig).save().unwrap();

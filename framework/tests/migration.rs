@@ -9,54 +9,27 @@ mod migration_util;
 use std::io;
 use std::time::Duration;
 
-use migration_util::{Counter, COUNT, CTRL, MEM_DATA, MEM_INDEX, MEM_SIZE, SCRATCH, TARGET};
+use migration_util::{
+    server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA, MEM_INDEX, MEM_SIZE, RAM, SCRATCH,
+    TARGET,
+};
 use umdev::migration::stream::{write_start, write_start_version, STREAM_VERSION};
 use umdev::migration::MigState::{self, *};
-use umdev::pci::PciAdapter;
 use umdev::protocol::migration::encode_mig_data_read;
 use umdev::protocol::Command;
 use umdev::testing::{
     wait_until, DeviceAccess, TestServer, TrivialDevice, Vmm, DEFAULT_CAPS, MIGRATION_CAPS,
 };
 
-const RAM: usize = 1 << 20;
-const COUNTER_AT: u64 = 0x3008;
 const ALL: [MigState; 8] = [
     Error, Stop, Running, StopCopy, Resuming, RunningP2p, PreCopy, PreCopyP2p,
 ];
 
-type Server = TestServer<PciAdapter<Counter>>;
-
-fn server(pre_copy: bool, leaky: bool) -> Server {
-    TestServer::builder_pci(Counter::new(pre_copy, leaky))
-        .unwrap()
-        // Small transfers: the stream (48 KiB of device memory and more) takes many reads.
-        .configure(|c| c.max_data_xfer_size = 4096)
-        .start()
-        .unwrap()
-}
-
+/// A VMM on `s`, the device enabled.
 fn connect(s: &Server) -> Vmm {
-    let mut vmm = Vmm::connect_with_caps(s.path(), MIGRATION_CAPS)
-        .unwrap()
-        .with_ram(0, RAM)
-        .unwrap();
+    let mut vmm = migration_util::connect(s);
     vmm.enable_device().unwrap();
     vmm
-}
-
-/// Start the counter writing at `COUNTER_AT` and wait until it has counted.
-fn start_counting(vmm: &mut Vmm, s: &Server) {
-    vmm.write64(0, TARGET, COUNTER_AT).unwrap();
-    vmm.write32(0, CTRL, 1).unwrap();
-    let shared = s.device().device().shared().clone();
-    assert!(
-        wait_until(Duration::from_secs(5), || shared
-            .writes
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > 3),
-        "the counter never wrote"
-    );
 }
 
 fn errno(r: io::Result<impl std::fmt::Debug>) -> i32 {

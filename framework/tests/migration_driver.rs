@@ -8,49 +8,25 @@ mod migration_util;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
-use migration_util::{Counter, COUNT, CTRL, MEM_DATA, MEM_INDEX, MEM_SIZE, TARGET};
+use migration_util::{
+    connect, server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA, MEM_INDEX, MEM_SIZE, RAM,
+};
 use umdev::migration::MigState;
-use umdev::pci::PciAdapter;
 use umdev::testing::{
     migrate, wait_until, DeviceAccess, MigrateError, MigrateOptions, Migration, Side, TestServer,
-    TrivialDevice, Vmm, MIGRATION_CAPS,
+    TrivialDevice, Vmm,
 };
 
-const RAM: usize = 1 << 20;
-const COUNTER_AT: u64 = 0x3008;
 /// Where the guest CPU writes a page per turn.
 const CPU_PAGES: u64 = 0x8_0000;
 
-type Server = TestServer<PciAdapter<Counter>>;
-
-fn server(pre_copy: bool) -> Server {
-    TestServer::builder_pci(Counter::new(pre_copy, false))
-        .unwrap()
-        .configure(|c| c.max_data_xfer_size = 4096)
-        .start()
-        .unwrap()
-}
-
-fn connect(s: &Server) -> Vmm {
-    Vmm::connect_with_caps(s.path(), MIGRATION_CAPS)
-        .unwrap()
-        .with_ram(0, RAM)
-        .unwrap()
-}
-
 /// A counting source and a fresh destination, both connected.
 fn pair(pre_copy: bool) -> (Server, Vmm, Server, Vmm) {
-    let src = server(pre_copy);
+    let src = server(pre_copy, false);
     let mut a = connect(&src);
     a.enable_device().unwrap();
-    a.write64(0, TARGET, COUNTER_AT).unwrap();
-    a.write32(0, CTRL, 1).unwrap();
-    let shared = src.device().device().shared().clone();
-    assert!(wait_until(Duration::from_secs(5), || shared
-        .writes
-        .load(SeqCst)
-        > 3));
-    let dst = server(pre_copy);
+    start_counting(&mut a, &src);
+    let dst = server(pre_copy, false);
     let b = connect(&dst);
     (src, a, dst, b)
 }
@@ -204,7 +180,7 @@ fn test_migration_driver_destination_refuses_stream_source_runs_on() {
 
 #[test]
 fn test_migration_driver_destination_without_migration_refused_before_anything() {
-    let src = server(true);
+    let src = server(true, false);
     let mut a = connect(&src);
     let other = TestServer::start(TrivialDevice::default()).unwrap();
     let mut b = Vmm::connect(other.path())
@@ -218,7 +194,7 @@ fn test_migration_driver_destination_without_migration_refused_before_anything()
     );
     assert_eq!(a.mig_state().unwrap(), MigState::Running);
     // Different RAM is refused too.
-    let third = server(true);
+    let third = server(true, false);
     let mut c = Vmm::connect(third.path())
         .unwrap()
         .with_ram(0, RAM / 2)

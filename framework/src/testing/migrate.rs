@@ -251,6 +251,16 @@ impl MigrateError {
         !matches!(self, MigrateError::RollbackFailed { .. })
     }
 
+    /// The side whose reply failed (a device that does not migrate, a failed step), if one
+    /// did.
+    pub fn side(&self) -> Option<Side> {
+        match self {
+            MigrateError::NotMigrating(side, _) | MigrateError::Step { side, .. } => Some(*side),
+            MigrateError::RollbackFailed { cause, .. } => cause.side(),
+            _ => None,
+        }
+    }
+
     /// The errno of the reply that failed, if a reply failed.
     pub fn errno(&self) -> Option<i32> {
         match self {

@@ -17,6 +17,9 @@
 //! takes the lock once, so when it returns no write is in flight and none follows. The
 //! `leaky` variant's `stop` does neither: it keeps writing after STOP, the bug the
 //! poisoned-memory test must catch. Every [`Migrate`] call is logged.
+//!
+//! The tests' setup is here too: a counter server ([`server`]), a VMM with the guest RAM
+//! ([`connect`]), the counter started ([`start_counting`]).
 #![allow(dead_code)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
@@ -30,7 +33,8 @@ use umdev::irq::Interrupts;
 use umdev::migration::{
     decode_state, encode_state, MigState, Migrate, MigrationCaps, MigrationError,
 };
-use umdev::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds};
+use umdev::pci::{BarKind, BarSpec, MsixSpec, PciAdapter, PciConfig, PciDevice, PciIds};
+use umdev::testing::{wait_until, DeviceAccess, TestServer, Vmm, MIGRATION_CAPS};
 use vm_memory::Bytes;
 
 pub const CTRL: u64 = 0x00;
@@ -43,6 +47,44 @@ pub const MEM_DATA: u64 = 0x24;
 pub const MEM_SIZE: usize = 48 * 1024;
 const PIECE: usize = 4096;
 const FORMAT: &str = "umdev-test-counter";
+
+/// The tests' guest RAM (at guest address 0).
+pub const RAM: usize = 1 << 20;
+/// Where the tests have the counter write (guest address).
+pub const COUNTER_AT: u64 = 0x3008;
+
+/// A server of a [`Counter`].
+pub type Server = TestServer<PciAdapter<Counter>>;
+
+/// A counter server (`Counter::new(pre_copy, leaky)`) with small transfers: the stream (48
+/// KiB of device memory and more) takes many reads.
+pub fn server(pre_copy: bool, leaky: bool) -> Server {
+    TestServer::builder_pci(Counter::new(pre_copy, leaky))
+        .unwrap()
+        .configure(|c| c.max_data_xfer_size = 4096)
+        .start()
+        .unwrap()
+}
+
+/// A VMM on `s` that negotiates migration, with [`RAM`] bytes of guest RAM at 0.
+pub fn connect(s: &Server) -> Vmm {
+    Vmm::connect_with_caps(s.path(), MIGRATION_CAPS)
+        .unwrap()
+        .with_ram(0, RAM)
+        .unwrap()
+}
+
+/// Start the counter (the device enabled) writing at [`COUNTER_AT`] and wait until it has
+/// counted.
+pub fn start_counting(vmm: &mut Vmm, s: &Server) {
+    vmm.write64(0, TARGET, COUNTER_AT).unwrap();
+    vmm.write32(0, CTRL, 1).unwrap();
+    let shared = s.device().device().shared().clone();
+    assert!(
+        wait_until(Duration::from_secs(5), || shared.writes.load(SeqCst) > 3),
+        "the counter never wrote"
+    );
+}
 
 /// The pinned page the worker writes through.
 #[derive(Default)]
