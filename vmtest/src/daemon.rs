@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::server::terminate;
+
 /// The control socket's environment variable (the client commands' `--control`).
 const CONTROL_ENV: &str = "UMDEV_CONTROL";
 
@@ -243,26 +245,7 @@ impl Daemon {
 
     /// SIGTERM it and wait (up to 30 s: it stops every instance first, then SIGKILL).
     pub fn stop(mut self) -> Stopped {
-        let alive_after_guest = matches!(self.child.try_wait(), Ok(None));
-        let mut exit = None;
-        if alive_after_guest {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline {
-                if let Ok(Some(st)) = self.child.try_wait() {
-                    exit = Some(st);
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if exit.is_none() {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-            }
-        } else {
-            exit = self.child.try_wait().ok().flatten();
-        }
+        let (alive_after_guest, exit) = terminate(&mut self.child, Duration::from_secs(30));
         Stopped {
             alive_after_guest,
             exit,

@@ -129,26 +129,7 @@ impl Server {
 
     /// SIGTERM it and wait (up to 15 s, then SIGKILL).
     pub fn stop(mut self) -> Outcome {
-        let alive_after_guest = matches!(self.child.try_wait(), Ok(None));
-        let mut exit = None;
-        if alive_after_guest {
-            // SAFETY: signalling our own child process.
-            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(15);
-            while Instant::now() < deadline {
-                if let Ok(Some(st)) = self.child.try_wait() {
-                    exit = Some(st);
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            if exit.is_none() {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-            }
-        } else {
-            exit = self.child.try_wait().ok().flatten();
-        }
+        let (alive_after_guest, exit) = terminate(&mut self.child, Duration::from_secs(15));
         Outcome {
             kind: self.kind,
             alive_after_guest,
@@ -209,4 +190,27 @@ impl Outcome {
         }
         v
     }
+}
+
+/// Stop a child process the way a user stops a server: if it still runs, SIGTERM it and
+/// wait up to `grace` for it to exit, then SIGKILL it (and reap it). Returns whether it was
+/// still running when asked, and its exit status (None: it was killed, or it could not be
+/// waited for).
+pub fn terminate(child: &mut Child, grace: Duration) -> (bool, Option<ExitStatus>) {
+    let alive = matches!(child.try_wait(), Ok(None));
+    if !alive {
+        return (false, child.try_wait().ok().flatten());
+    }
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            return (true, Some(st));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    (true, None)
 }
