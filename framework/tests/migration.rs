@@ -10,8 +10,8 @@ use std::io;
 use std::time::Duration;
 
 use migration_util::{
-    server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA, MEM_INDEX, MEM_SIZE, RAM, SCRATCH,
-    TARGET,
+    assert_counts_on, server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA, MEM_INDEX,
+    MEM_SIZE, RAM, SCRATCH, TARGET,
 };
 use umdev::migration::stream::{write_start, write_start_version, STREAM_VERSION};
 use umdev::migration::MigState::{self, *};
@@ -259,14 +259,7 @@ fn migrate(pre_copy: bool) {
     }
     // The counter goes on from the source's value, into the destination's RAM.
     assert!(b.read64(0, COUNT).unwrap() >= count);
-    assert!(
-        wait_until(Duration::from_secs(5), || b
-            .ram()
-            .read_u64(COUNTER_AT)
-            .unwrap()
-            > count),
-        "the destination did not go on counting"
-    );
+    assert_counts_on(&b, count);
     let calls = dst.device().device_mut().take_calls();
     assert_eq!(
         calls.iter().filter(|c| **c == "load_precopy").count() > 0,

@@ -9,7 +9,8 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
 
 use migration_util::{
-    connect, server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA, MEM_INDEX, MEM_SIZE, RAM,
+    assert_counts_on, connect, server, start_counting, Server, COUNT, COUNTER_AT, MEM_DATA,
+    MEM_INDEX, MEM_SIZE, RAM,
 };
 use umdev::migration::MigState;
 use umdev::testing::{
@@ -84,14 +85,7 @@ fn moves_and_counts_on(pre_copy: bool) {
         }
     }
     // The destination counts on from the source's value, into its own RAM.
-    assert!(
-        wait_until(Duration::from_secs(5), || b
-            .ram()
-            .read_u64(COUNTER_AT)
-            .unwrap()
-            > count),
-        "the destination did not go on counting"
-    );
+    assert_counts_on(&b, count);
     assert_eq!(src.device().device().shared().counter.load(SeqCst), count);
 }
 

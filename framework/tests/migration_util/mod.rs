@@ -74,6 +74,19 @@ pub fn connect(s: &Server) -> Vmm {
         .unwrap()
 }
 
+/// Assert that the counter, migrated to `vmm`'s device, goes on counting past `count` into
+/// `vmm`'s RAM at [`COUNTER_AT`] (within 5 s).
+pub fn assert_counts_on(vmm: &Vmm, count: u64) {
+    assert!(
+        wait_until(Duration::from_secs(5), || vmm
+            .ram()
+            .read_u64(COUNTER_AT)
+            .unwrap()
+            > count),
+        "the destination did not go on counting"
+    );
+}
+
 /// Start the counter (the device enabled) writing at [`COUNTER_AT`] and wait until it has
 /// counted.
 pub fn start_counting(vmm: &mut Vmm, s: &Server) {
