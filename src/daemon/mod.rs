@@ -37,6 +37,7 @@
 pub mod client;
 mod control;
 mod definitions;
+mod migrate;
 mod paths;
 mod protocol;
 mod render;
