@@ -344,23 +344,80 @@ fn test_migrate_errors_leave_both_daemons_unchanged() {
     check("refused stream", "", &[], &before);
 }
 
-/// Send `migrate_load` of `UUID` with `state` to the daemon on `control` by hand; returns
-/// the error kind and the whole answer.
-fn raw_load(control: &Path, state: &[u8]) -> (String, String) {
+/// Send `request` and `payload` to the daemon on `control` by hand; returns the answer
+/// and the payload after it.
+fn raw(control: &Path, request: Value, payload: &[u8]) -> (Value, Vec<u8>) {
     let mut s = UnixStream::connect(control).unwrap();
-    let req = serde_json::json!({
-        "version": 1,
-        "request": {
-            "op": "migrate_load", "uuid": UUID, "type": "gpu/gpu-4m",
-            "state_len": state.len(),
-        },
-    });
+    let req = serde_json::json!({ "version": 1, "request": request });
     s.write_all(format!("{req}\n").as_bytes()).unwrap();
-    s.write_all(state).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let v: Value = serde_json::from_str(answer.trim_end()).unwrap();
-    (v["error"]["kind"].as_str().unwrap_or("").to_owned(), answer)
+    s.write_all(payload).unwrap();
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).unwrap();
+    let nl = all.iter().position(|&b| b == b'\n').unwrap();
+    let v: Value = serde_json::from_slice(&all[..nl]).unwrap();
+    (v, all[nl + 1..].to_vec())
+}
+
+/// Send `migrate_load` of `UUID` with `state` by hand; returns the error kind and the answer.
+fn raw_load(control: &Path, state: &[u8]) -> (String, String) {
+    let request = serde_json::json!({
+        "op": "migrate_load", "uuid": UUID, "type": "gpu/gpu-4m", "state_len": state.len(),
+    });
+    let (v, _) = raw(control, request, state);
+    (
+        v["error"]["kind"].as_str().unwrap_or("").to_owned(),
+        v.to_string(),
+    )
+}
+
+#[test]
+fn test_migrate_finish_refused_when_state_changed_or_client_attached() {
+    let a = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
+    let (v, state) = raw(
+        &a.control(),
+        serde_json::json!({"op": "migrate_save", "uuid": UUID}),
+        &[],
+    );
+    let saved = &v["ok"];
+    assert_eq!(saved["reply"], "saved", "{v}");
+    assert_eq!(saved["state_len"].as_u64(), Some(state.len() as u64));
+    let digest = saved["digest"].clone();
+    let finish = serde_json::json!({"op": "migrate_finish", "uuid": UUID, "digest": digest});
+    // A client attached since the save: refused, the instance stays.
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    let (v, _) = raw(&a.control(), finish.clone(), &[]);
+    assert_eq!(v["error"]["kind"], "attached", "{v}");
+    // It changed the mode and left: refused, the instance and its definition stay.
+    vmm.write32(0, regs::REG_MODE_WIDTH, 32).unwrap();
+    drop(vmm);
+    a.wait_detached(UUID);
+    let (v, _) = raw(&a.control(), finish, &[]);
+    assert_eq!(v["error"]["kind"], "migration", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("changed while it was migrated"),
+        "{v}"
+    );
+    let row = a.instance(UUID).expect("the source keeps it");
+    assert_eq!(row["defined"], true);
+    // Unchanged since a new save: removed with its definition.
+    let (v, _) = raw(
+        &a.control(),
+        serde_json::json!({"op": "migrate_save", "uuid": UUID}),
+        &[],
+    );
+    let finish =
+        serde_json::json!({"op": "migrate_finish", "uuid": UUID, "digest": v["ok"]["digest"]});
+    let (v, _) = raw(&a.control(), finish, &[]);
+    assert_eq!(v["ok"]["reply"], "removed", "{v}");
+    assert!(a.instance(UUID).is_none());
+    assert!(a.json(&["list", "--defined"])["definitions"]
+        .as_array()
+        .unwrap()
+        .is_empty());
 }
 
 #[test]
@@ -442,4 +499,53 @@ fn test_migrate_help_has_an_example() {
         text.contains("--prepare") && text.contains("--keep-source"),
         "{text}"
     );
+}
+
+#[test]
+fn test_migrate_ccw_named_image_keeps_registers_default_image_refused() {
+    use umdev_devices::ccw::regs as ccw_regs;
+    let a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    // The image on both sides (shared storage, or copied while detached).
+    for d in [&a, &b] {
+        let f = fs::File::create(d.dir.path().join("state/ccw-images/disk.img")).unwrap();
+        f.set_len(16 << 20).unwrap();
+    }
+    a.ok(&[
+        "create",
+        "--type",
+        "ccw-16m",
+        "--uuid",
+        UUID,
+        "image=disk.img",
+    ]);
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    assert_eq!(vmm.read32(0, ccw_regs::ID).unwrap(), ccw_regs::MAGIC);
+    vmm.write32(0, ccw_regs::OPB_ADDR_LO, 0x1234_5000).unwrap();
+    vmm.write32(0, ccw_regs::OPB_ADDR_HI, 0x42).unwrap();
+    drop(vmm);
+    a.wait_detached(UUID);
+    let out = migrate(&a, &b, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(a.instance(UUID).is_none());
+    assert_eq!(b.instance(UUID).unwrap()["params"]["image"], "disk.img");
+    let mut vmm = Vmm::connect(&b.socket(UUID)).unwrap();
+    assert_eq!(vmm.read32(0, ccw_regs::OPB_ADDR_LO).unwrap(), 0x1234_5000);
+    assert_eq!(vmm.read32(0, ccw_regs::OPB_ADDR_HI).unwrap(), 0x42);
+    drop(vmm);
+
+    // Its default image stays behind in the source's directory: refused.
+    let other = "00000000-0000-4000-8000-0000000000c2";
+    a.ok(&["create", "--type", "ccw-16m", "--uuid", other]);
+    let before = [a.snapshot(), b.snapshot()];
+    let e = a.fail(&["migrate", other, "--to", b.control().to_str().unwrap()]);
+    assert!(
+        e.contains(&format!("image {other}.img")) && e.contains("image=NAME"),
+        "{e}"
+    );
+    assert_eq!([a.snapshot(), b.snapshot()], before);
 }

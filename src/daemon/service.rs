@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tracing::{info, warn};
 use umdev::instance::{InstanceError, InstanceInfo, Params, Parent, Registry};
+use umdev_devices::ccw;
 
 use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
 use super::protocol::{
@@ -324,6 +325,22 @@ impl Service {
         let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
         let _claim = self.claim(&uuid)?;
         let info = self.running(&uuid)?;
+        if info.parent == "ccw" && !info.params.contains_key(ccw::parent::PARAM_IMAGE) {
+            // Its default image is <uuid>.img in this daemon's image directory, which the
+            // state does not carry: the destination would start on an empty image.
+            return Err(ControlError::new(
+                ErrorKind::NotMigratable,
+                format!(
+                    "{uuid} keeps its data in the image {uuid}.img of this daemon's image \
+                     directory, which a migration does not carry"
+                ),
+            )
+            .hint(format!(
+                "a ccw instance migrates when it names its image (`umdev create --type T \
+                 image=NAME`) and the destination's image directory has that image (shared \
+                 or copied while the instance is detached)"
+            )));
+        }
         let state = self
             .registry
             .save_state(&uuid)
