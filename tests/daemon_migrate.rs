@@ -165,9 +165,9 @@ const KEPT_REGS: [u64; 9] = [
     regs::REG_FENCE_VALUE,
 ];
 
-/// Set a mode, draw two rectangles and wait for them; returns the registers and the
-/// framebuffer's first 64 rows as the device shows them.
-fn draw(vmm: &mut Vmm) -> (Vec<u32>, Vec<u8>) {
+/// Set a mode, draw two rectangles and wait for them (fence `fence`): the device runs.
+/// Returns the registers and the framebuffer's first 64 rows as the device shows them.
+fn draw(vmm: &mut Vmm, fence: u32) -> (Vec<u32>, Vec<u8>) {
     let mut ram = vmm.ram().clone();
     let mut drv = Driver::probe(Bar0(&mut *vmm)).unwrap();
     drv.set_mode(64, 64, 256).unwrap();
@@ -188,10 +188,10 @@ fn draw(vmm: &mut Vmm) -> (Vec<u32>, Vec<u8>) {
             h: 21,
             color: 0x0012_3456,
         },
-        GpuCmd::Fence { value: 7 },
+        GpuCmd::Fence { value: fence },
     ];
     drv.submit(&mut ram, &cmds).unwrap();
-    drv.wait_fence(7).unwrap();
+    drv.wait_fence(fence).unwrap();
     read_back(vmm)
 }
 
@@ -215,7 +215,7 @@ fn test_migrate_detached_gpu_framebuffer_and_regs_identical_definition_moved() {
         .with_ram(RAM_BASE, 1 << 20)
         .unwrap();
     vmm.enable_device().unwrap();
-    let (regs_before, fb_before) = draw(&mut vmm);
+    let (regs_before, fb_before) = draw(&mut vmm, 7);
     assert_eq!(regs_before[0], 64, "the mode was set");
     let px = 4 * (5 * 64 + 3);
     assert_eq!(fb_before[px..px + 4], 0x00ab_cdefu32.to_le_bytes(), "drawn");
@@ -260,6 +260,15 @@ fn test_migrate_detached_gpu_framebuffer_and_regs_identical_definition_moved() {
         fb_after == fb_before,
         "the framebuffer differs after the migration"
     );
+    drop(vmm);
+    b.wait_detached(UUID);
+    // It runs there: a guest's next commands execute.
+    let mut vmm = Vmm::connect(&b.socket(UUID))
+        .unwrap()
+        .with_ram(RAM_BASE, 1 << 20)
+        .unwrap();
+    vmm.enable_device().unwrap();
+    draw(&mut vmm, 8);
 }
 
 #[test]
@@ -342,6 +351,13 @@ fn test_migrate_errors_leave_both_daemons_unchanged() {
     assert_eq!(status, "migration", "{body}");
     assert!(body.contains("the migration stream was refused"), "{body}");
     check("refused stream", "", &[], &before);
+    // The source runs on after every refusal (each stopped and resumed it): it executes.
+    let mut vmm = Vmm::connect(&a.socket(UUID))
+        .unwrap()
+        .with_ram(RAM_BASE, 1 << 20)
+        .unwrap();
+    vmm.enable_device().unwrap();
+    draw(&mut vmm, 3);
 }
 
 /// Send `request` and `payload` to the daemon on `control` by hand; returns the answer

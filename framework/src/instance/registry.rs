@@ -57,6 +57,16 @@
 //! A client that connects while a removal without a client is shutting the server down is
 //! disconnected with the server.
 //!
+//! # Migrating an instance to another registry
+//! [`Registry::save_state`] saves an instance that no client holds as a migration stream
+//! (the one a VMM reads in STOP_COPY): under the device's lock (as a client's message
+//! holds it) the device is stopped, saved and resumed, so it serves on unchanged. While a
+//! client is attached it is refused: the client's VMM owns the guest RAM and interrupts
+//! and migrates the device itself. [`Registry::create_with_state`] creates an instance as
+//! [`Registry::create`] does (same checks, same reservation) and loads the stream into its
+//! device before the server starts, so no client sees the device without its state; a
+//! stream the device refuses fails the create and takes nothing.
+//!
 //! # Dropping the registry
 //! Stops every instance's server at once and waits up to
 //! [`RegistryConfig::teardown_timeout`] for them; the server of a device stuck in a call is
@@ -631,9 +641,6 @@ impl Registry {
         }
         let served = instance.served();
         let s = served.as_ref().ok_or_else(busy)?;
-        if s.server.client_attached() {
-            return Err(InstanceError::Attached(uuid.to_owned()));
-        }
         let mig = |what: &'static str| {
             move |source| InstanceError::Migration {
                 uuid: uuid.to_owned(),
@@ -643,6 +650,8 @@ impl Registry {
         };
         s.server
             .with_device(self.config.teardown_timeout, |device| {
+                // Under the device lock: a client that attaches from here on waits for it,
+                // and the state saved is the one it finds.
                 if s.server.client_attached() {
                     return Err(InstanceError::Attached(uuid.to_owned()));
                 }
