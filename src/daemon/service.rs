@@ -335,11 +335,11 @@ impl Service {
                      directory, which a migration does not carry"
                 ),
             )
-            .hint(format!(
+            .hint(
                 "a ccw instance migrates when it names its image (`umdev create --type T \
                  image=NAME`) and the destination's image directory has that image (shared \
-                 or copied while the instance is detached)"
-            )));
+                 or copied while the instance is detached)",
+            ));
         }
         let state = self
             .registry
