@@ -368,3 +368,36 @@ fn test_registry_concurrent_creates_same_uuid_exactly_one_wins() {
         reg.remove(&uuid, false).unwrap();
     }
 }
+
+#[test]
+fn test_registry_state_of_device_without_migration_refused_and_nothing_taken() {
+    let (_dir, reg) = registry();
+    reg.add_parent(Arc::new(ProbeParent::new("p", 4))).unwrap();
+    let one = reg.create("probe", None, &Params::new()).unwrap();
+    let e = reg.save_state(&one.uuid).unwrap_err();
+    assert!(
+        matches!(e, InstanceError::NotMigratable { .. }) && e.to_string().contains("p/probe"),
+        "{e}"
+    );
+    assert!(reg.instance(&one.uuid).is_ok(), "still served");
+    let uuid = "00000000-0000-4000-8000-000000000077";
+    let e = reg
+        .create_with_state("probe", uuid, &Params::new(), b"not a stream")
+        .unwrap_err();
+    assert!(matches!(e, InstanceError::NotMigratable { .. }), "{e}");
+    assert_eq!(
+        available(&reg, "p", "probe"),
+        3,
+        "the refused create took nothing"
+    );
+    assert!(reg.instance(uuid).is_err());
+    assert!(!reg
+        .config()
+        .socket_dir
+        .join(format!("{uuid}.sock"))
+        .exists());
+    assert!(matches!(
+        reg.save_state(uuid),
+        Err(InstanceError::NoSuchInstance(_))
+    ));
+}

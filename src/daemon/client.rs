@@ -130,6 +130,23 @@ pub enum ClientCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Move a running instance to another daemon, with its device state.
+    ///
+    /// Without a client attached, its state (registers, framebuffer and GTT of a GPU;
+    /// registers and sense of a ccw device) is saved on this daemon, the destination creates
+    /// the same UUID, type and parameters with that state, and only then is the instance
+    /// removed here, its definition (autostart kept) moved with it. Any failure before that
+    /// leaves it here as it was. An instance with a client attached can only be migrated by
+    /// its VMM, which owns the guest RAM and interrupts: --prepare creates the destination
+    /// instance for the VMM to migrate into.
+    #[command(after_help = "\
+Example, between a daemon on the default control socket and one started with
+`umdev daemon --socket-dir /run/umdev-b --state-dir /var/lib/umdev-b`:
+  umdev migrate 6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11 --to /run/umdev-b/control.sock
+
+The source daemon is the one of --control (or UMDEV_CONTROL, or the default), as for the
+other commands.")]
+    Migrate(super::migrate::MigrateArgs),
 }
 
 fn parse_param(s: &str) -> Result<(String, String), String> {
@@ -195,6 +212,16 @@ pub enum ClientError {
 
 /// Send `request` to the daemon on `path` and wait for its answer.
 pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientError> {
+    call_with_payload(path, request, &[]).map(|(reply, _)| reply)
+}
+
+/// Send `request` and the `payload` it announces ([`Request::payload_len`]) to the daemon
+/// on `path`; returns its answer and the payload the reply announces.
+pub fn call_with_payload(
+    path: &std::path::Path,
+    request: &Request,
+    payload: &[u8],
+) -> Result<(Reply, Vec<u8>), ClientError> {
     let io = |what: &str| {
         let what = what.to_owned();
         move |source| ClientError::Io {
@@ -220,8 +247,10 @@ pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientEr
     };
     stream
         .write_all(&protocol::encode(&envelope))
+        .and_then(|()| stream.write_all(payload))
         .map_err(io("sending the request"))?;
-    let message = protocol::read_message(&stream).map_err(|e| match e {
+    let mut reader = std::io::BufReader::new(&stream);
+    let message = protocol::read_message(&mut reader).map_err(|e| match e {
         protocol::FrameError::Io(source) => io("reading the answer")(source),
         other => ClientError::Protocol {
             path: path.to_path_buf(),
@@ -253,7 +282,14 @@ pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientEr
     let response: Response =
         serde_json::from_value(value).map_err(|e| protocol_err(e.to_string()))?;
     match (response.ok, response.error) {
-        (Some(reply), None) => Ok(reply),
+        (Some(reply), None) => {
+            let payload =
+                protocol::read_payload(&mut reader, reply.payload_len()).map_err(|e| match e {
+                    protocol::FrameError::Io(source) => io("reading the answer's payload")(source),
+                    other => protocol_err(other.to_string()),
+                })?;
+            Ok((reply, payload))
+        }
         (None, Some(error)) => Err(ClientError::Daemon(error)),
         _ => Err(protocol_err("neither a reply nor an error".into())),
     }
@@ -262,6 +298,7 @@ pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientEr
 /// Run a client command.
 pub fn run(command: ClientCommand) -> CliResult {
     let (common, request) = match command {
+        ClientCommand::Migrate(args) => return super::migrate::run(args),
         ClientCommand::Types { common } => (common, Request::Types),
         ClientCommand::List { defined, common } => (common, Request::List { defined }),
         ClientCommand::Create {

@@ -4,8 +4,9 @@
 //! One accept thread polls the listener and a wake-up eventfd. Each accepted connection is
 //! handled on a thread of its own (a removal may wait for a client for seconds; other
 //! requests are not held up meanwhile): read one request (at most
-//! [`protocol::MAX_MESSAGE`] bytes, waited for at most [`protocol::REQUEST_TIMEOUT`]),
-//! check the version, answer, close.
+//! [`protocol::MAX_MESSAGE`] bytes, waited for at most [`protocol::REQUEST_TIMEOUT`]) and the
+//! payload it announces (`migrate_load`'s state), check the version, answer (a `saved`
+//! reply with its payload), close.
 //!
 //! # Invariants
 //! - The socket is created with mode 0600 by the server module's [`SocketListener`] (bound
@@ -171,9 +172,21 @@ fn accept_loop(
 }
 
 /// Write `result` as the response; a client that went away is only logged.
-fn answer(mut stream: &UnixStream, result: Result<protocol::Reply, ControlError>) {
+fn answer(stream: &UnixStream, result: Result<protocol::Reply, ControlError>) {
+    answer_with(stream, result.map(|r| (r, Vec::new())));
+}
+
+/// Answer, then send the reply's payload (a migrated instance's state) if it has one.
+fn answer_with(mut stream: &UnixStream, result: Result<(protocol::Reply, Vec<u8>), ControlError>) {
+    let (result, payload) = match result {
+        Ok((r, p)) => (Ok(r), p),
+        Err(e) => (Err(e), Vec::new()),
+    };
     let bytes = protocol::encode(&Response::of(result));
-    if let Err(e) = stream.write_all(&bytes) {
+    if let Err(e) = stream
+        .write_all(&bytes)
+        .and_then(|()| stream.write_all(&payload))
+    {
         debug!(error = %e, "control: the client went away before the response");
     }
 }
@@ -221,7 +234,8 @@ fn serve_one(stream: &UnixStream, service: &Service) {
         return;
     }
     let bad = |why: String| Err(ControlError::new(ErrorKind::BadRequest, why));
-    let message = match protocol::read_message(stream) {
+    let mut reader = std::io::BufReader::new(stream);
+    let message = match protocol::read_message(&mut reader) {
         Ok(m) => m,
         Err(FrameError::Empty) => return,
         Err(e) => {
@@ -266,16 +280,26 @@ fn serve_one(stream: &UnixStream, service: &Service) {
             return answer(stream, bad(format!("malformed request: {e}")));
         }
     };
-    debug!(?request, "control request");
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| service.handle(request)))
-        .unwrap_or_else(|_| {
-            Err(ControlError::new(
-                ErrorKind::Internal,
-                "the daemon failed handling the request (a bug; its log has the panic)",
-            ))
-        });
+    let payload = match protocol::read_payload(&mut reader, request.payload_len()) {
+        Ok(p) => p,
+        Err(e) => {
+            let why = super::service::chain(&e);
+            warn!(error = %why, "control: unreadable request payload");
+            return answer(stream, bad(why));
+        }
+    };
+    debug!(?request, payload = payload.len(), "control request");
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        service.handle_with_payload(request, payload)
+    }))
+    .unwrap_or_else(|_| {
+        Err(ControlError::new(
+            ErrorKind::Internal,
+            "the daemon failed handling the request (a bug; its log has the panic)",
+        ))
+    });
     if let Err(e) = &result {
         info!(kind = ?e.kind, error = %e.message, "control request refused");
     }
-    answer(stream, result);
+    answer_with(stream, result);
 }

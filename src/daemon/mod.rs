@@ -1,6 +1,7 @@
 //! `umdev daemon` and the client commands that talk to it (`umdev types`, `list`, `create`,
-//! `define`, `undefine`, `start`, `stop`, `remove`): many instances in one process, kept
-//! across restarts, in the style of mdevctl.
+//! `define`, `undefine`, `start`, `stop`, `remove`, and `migrate` between two daemons:
+//! [`migrate`]): many instances in one process, kept across restarts, in the style of
+//! mdevctl.
 //!
 //! The daemon owns one [`Registry`] with the GPU parent (a framebuffer pool and one render
 //! engine shared by its instances) and the ccw parent (an image directory under the state
@@ -37,6 +38,7 @@
 pub mod client;
 mod control;
 mod definitions;
+mod migrate;
 mod paths;
 mod protocol;
 mod render;

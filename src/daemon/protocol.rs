@@ -7,6 +7,13 @@
 //!               or  {"version":1,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
 //! ```
 //!
+//! # Payloads
+//! Two messages carry a migrated instance's state, raw, right after their newline: the
+//! `migrate_load` request and the `saved` reply to `migrate_save` (`state_len` bytes each).
+//! Binary after the JSON line rather than base64 inside it: no encoding crate, no third
+//! more bytes, and the JSON line keeps its [`MAX_MESSAGE`] bound; a payload is bounded by
+//! [`MAX_PAYLOAD`] and must arrive whole.
+//!
 //! # Versioning
 //! Both sides send [`PROTOCOL_VERSION`]. The daemon reads the envelope (`version`, and
 //! `request` as any JSON value) before it reads the request, so a daemon answers a client of
@@ -34,6 +41,8 @@ use umdev::instance::Params;
 pub const PROTOCOL_VERSION: u32 = 1;
 /// The largest message, newline included.
 pub const MAX_MESSAGE: usize = 1 << 20;
+/// The largest payload after a message: a migration stream's largest frame and its heads.
+pub const MAX_PAYLOAD: u64 = umdev::migration::stream::MAX_FRAME as u64 + 4096;
 /// How long the daemon waits for a connected client's request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -106,6 +115,53 @@ pub enum Request {
         #[serde(default)]
         force: bool,
     },
+    /// `umdev migrate`, on the source: save the whole state of a running instance that no
+    /// client holds (stopped, saved, resumed: it serves on unchanged). The reply
+    /// ([`Reply::Saved`]) is followed by its `state_len` bytes of state (see "Payloads" in
+    /// the module doc).
+    MigrateSave {
+        /// The UUID.
+        uuid: String,
+    },
+    /// `umdev migrate`, on the destination: create an instance with the state that follows
+    /// the request (`state_len` bytes), and define it if `define`.
+    MigrateLoad {
+        /// The UUID (the source's).
+        uuid: String,
+        /// `<parent>/<type>` (the source's).
+        #[serde(rename = "type")]
+        type_spec: String,
+        /// The parent's parameters (the source's).
+        #[serde(default)]
+        params: Params,
+        /// Also write a definition (the source had one).
+        #[serde(default)]
+        define: bool,
+        /// The definition's autostart flag (with `define`).
+        #[serde(default)]
+        autostart: bool,
+        /// Length of the state that follows the request.
+        state_len: u64,
+    },
+    /// `umdev migrate`, on the source once the destination serves the state: remove the
+    /// instance and its definition, provided no client is attached and the state did not
+    /// change since [`Request::MigrateSave`] (its `digest`).
+    MigrateFinish {
+        /// The UUID.
+        uuid: String,
+        /// The `digest` of the [`SavedReply`].
+        digest: u64,
+    },
+}
+
+impl Request {
+    /// Length of the payload that follows this request on the socket.
+    pub fn payload_len(&self) -> u64 {
+        match self {
+            Request::MigrateLoad { state_len, .. } => *state_len,
+            _ => 0,
+        }
+    }
 }
 
 /// What a client sends: its version and its request.
@@ -161,8 +217,32 @@ pub enum Reply {
     Defined(DefinedReply),
     /// `undefine`.
     Undefined(UndefinedReply),
-    /// `stop`, `remove`.
+    /// `stop`, `remove`, `migrate_finish`.
     Removed(RemovedReply),
+    /// `migrate_save`; the state follows the reply.
+    Saved(SavedReply),
+}
+
+impl Reply {
+    /// Length of the payload that follows this reply on the socket.
+    pub fn payload_len(&self) -> u64 {
+        match self {
+            Reply::Saved(r) => r.state_len,
+            _ => 0,
+        }
+    }
+}
+
+/// Reply to `migrate_save`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedReply {
+    /// The instance as it runs (its definition flags included).
+    pub instance: InstanceRow,
+    /// Length of the state that follows the reply: a migration stream
+    /// (`protocol-docs/migration.md`).
+    pub state_len: u64,
+    /// A digest of the state, for `migrate_finish` (meaningful to this daemon only).
+    pub digest: u64,
 }
 
 /// What one instance of a type takes of a resource.
@@ -428,6 +508,12 @@ pub enum ErrorKind {
     Unavailable,
     /// A bug or an inconsistent configuration.
     Internal,
+    /// A client is attached: only its VMM can migrate the instance.
+    Attached,
+    /// The instance's device does not support migration.
+    NotMigratable,
+    /// A migration state was refused, or changed before the migration finished.
+    Migration,
 }
 
 /// A failure, as the client shows it.
@@ -472,14 +558,26 @@ pub enum FrameError {
     /// The socket failed (a timeout included).
     #[error("reading the message")]
     Io(#[source] io::Error),
+    /// A payload longer than [`MAX_PAYLOAD`] was announced.
+    #[error("a payload of {0} bytes was announced (at most {MAX_PAYLOAD})")]
+    PayloadTooLong(u64),
+    /// The connection closed before the whole payload arrived.
+    #[error("the payload was cut short: {got} of {expected} bytes")]
+    PayloadCut {
+        /// Announced length.
+        expected: u64,
+        /// Bytes received.
+        got: u64,
+    },
 }
 
 /// Read one message: the bytes up to the first newline (or the end of the stream), at most
-/// [`MAX_MESSAGE`] bytes.
-pub fn read_message(stream: impl Read) -> Result<Vec<u8>, FrameError> {
+/// [`MAX_MESSAGE`] bytes. `reader` is kept for the payload that may follow (its buffer may
+/// hold the payload's first bytes already).
+pub fn read_message(reader: &mut impl BufRead) -> Result<Vec<u8>, FrameError> {
     let mut buf = Vec::new();
-    let mut limited = io::BufReader::new(stream.take(MAX_MESSAGE as u64 + 1));
-    limited
+    reader
+        .take(MAX_MESSAGE as u64 + 1)
         .read_until(b'\n', &mut buf)
         .map_err(FrameError::Io)?;
     if buf.len() > MAX_MESSAGE {
@@ -490,6 +588,25 @@ pub fn read_message(stream: impl Read) -> Result<Vec<u8>, FrameError> {
     }
     if buf.iter().all(u8::is_ascii_whitespace) {
         return Err(FrameError::Empty);
+    }
+    Ok(buf)
+}
+
+/// Read the `len` bytes of payload that follow a message (at most [`MAX_PAYLOAD`]).
+pub fn read_payload(reader: &mut impl Read, len: u64) -> Result<Vec<u8>, FrameError> {
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::PayloadTooLong(len));
+    }
+    let mut buf = Vec::new();
+    reader
+        .take(len)
+        .read_to_end(&mut buf)
+        .map_err(FrameError::Io)?;
+    if buf.len() as u64 != len {
+        return Err(FrameError::PayloadCut {
+            expected: len,
+            got: buf.len() as u64,
+        });
     }
     Ok(buf)
 }
@@ -545,16 +662,49 @@ mod tests {
 
     #[test]
     fn test_read_message_stops_at_newline_and_bounds_length() {
-        assert_eq!(read_message(&b"{}\nrest"[..]).unwrap(), b"{}");
-        assert_eq!(read_message(&b"{}"[..]).unwrap(), b"{}");
-        assert!(matches!(read_message(&b""[..]), Err(FrameError::Empty)));
-        assert!(matches!(read_message(&b"\n"[..]), Err(FrameError::Empty)));
+        assert_eq!(read_message(&mut &b"{}\nrest"[..]).unwrap(), b"{}");
+        assert_eq!(read_message(&mut &b"{}"[..]).unwrap(), b"{}");
+        assert!(matches!(
+            read_message(&mut &b""[..]),
+            Err(FrameError::Empty)
+        ));
+        assert!(matches!(
+            read_message(&mut &b"\n"[..]),
+            Err(FrameError::Empty)
+        ));
         let long = vec![b'x'; MAX_MESSAGE + 10];
-        assert!(matches!(read_message(&long[..]), Err(FrameError::TooLong)));
+        assert!(matches!(
+            read_message(&mut &long[..]),
+            Err(FrameError::TooLong)
+        ));
         let mut fits = vec![b'x'; MAX_MESSAGE - 1];
         fits.push(b'\n');
-        assert_eq!(read_message(&fits[..]).unwrap().len(), MAX_MESSAGE - 1);
+        assert_eq!(read_message(&mut &fits[..]).unwrap().len(), MAX_MESSAGE - 1);
         fits.insert(0, b'x');
-        assert!(matches!(read_message(&fits[..]), Err(FrameError::TooLong)));
+        assert!(matches!(
+            read_message(&mut &fits[..]),
+            Err(FrameError::TooLong)
+        ));
+    }
+
+    #[test]
+    fn test_payload_after_message_read_whole_or_refused() {
+        // The reader's buffer holds the payload's first bytes after the message.
+        let mut r = io::BufReader::new(&b"{}\npayload"[..]);
+        assert_eq!(read_message(&mut r).unwrap(), b"{}");
+        assert_eq!(read_payload(&mut r, 7).unwrap(), b"payload");
+        let mut r = io::BufReader::new(&b"{}\npay"[..]);
+        read_message(&mut r).unwrap();
+        assert!(matches!(
+            read_payload(&mut r, 7),
+            Err(FrameError::PayloadCut {
+                expected: 7,
+                got: 3
+            })
+        ));
+        assert!(matches!(
+            read_payload(&mut &b""[..], MAX_PAYLOAD + 1),
+            Err(FrameError::PayloadTooLong(_))
+        ));
     }
 }

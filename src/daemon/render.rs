@@ -20,6 +20,7 @@ pub fn json(reply: &Reply) -> String {
         Reply::Defined(r) => serde_json::to_value(r),
         Reply::Undefined(r) => serde_json::to_value(r),
         Reply::Removed(r) => serde_json::to_value(r),
+        Reply::Saved(r) => serde_json::to_value(r),
     };
     let value = value.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     format!("{value:#}\n")
@@ -60,6 +61,10 @@ pub fn human(request: &Request, reply: &Reply, bold: bool) -> String {
             s
         }
         Reply::Removed(r) => removed(request, r),
+        Reply::Saved(r) => format!(
+            "saved the state of {} ({} bytes)\n",
+            r.instance.uuid, r.state_len
+        ),
     }
 }
 
@@ -179,6 +184,19 @@ fn definitions(r: &DefinitionsReply, bold: bool) -> String {
 fn qemu_device(i: &InstanceRow) -> String {
     let path = serde_json::Value::from(i.socket.to_string_lossy().into_owned());
     format!(r#"-device '{{"driver":"vfio-user-pci","socket":{{"type":"unix","path":{path}}}}}'"#)
+}
+
+/// `umdev migrate --prepare`: the destination instance a VMM migrates into.
+pub fn prepared(r: &StartedReply) -> String {
+    let i = &r.instance;
+    format!(
+        "prepared {} ({}/{}) on {}\nthe VMM connects to it and drives the migration \
+         (RESUMING) there; its guest state comes from the source's VMM\n",
+        i.uuid,
+        i.parent,
+        i.type_name,
+        i.socket.display()
+    )
 }
 
 fn started(r: &StartedReply) -> String {

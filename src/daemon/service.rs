@@ -31,12 +31,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tracing::{info, warn};
 use umdev::instance::{InstanceError, InstanceInfo, Params, Parent, Registry};
+use umdev_devices::ccw;
 
 use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
 use super::protocol::{
     BrokenRow, ControlError, DefinedReply, DefinitionRow, DefinitionsReply, ErrorKind, InstanceRow,
-    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, StartedReply, TypeRow,
-    TypesReply, UndefinedReply,
+    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, SavedReply, StartedReply,
+    TypeRow, TypesReply, UndefinedReply,
 };
 
 /// The definitions in memory.
@@ -99,6 +100,7 @@ enum Op {
     Start,
     Stop,
     Remove,
+    Migrate,
 }
 
 /// The control error of a registry error during `op` on `uuid`.
@@ -133,7 +135,24 @@ fn instance_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
         InstanceError::Device(_) => err(ErrorKind::Device),
         InstanceError::Io { .. } => err(ErrorKind::Io),
         InstanceError::InvalidParent { .. } => err(ErrorKind::Internal),
+        InstanceError::Attached(_) => err(ErrorKind::Attached).hint(format!(
+            "the VMM must migrate an attached device (it drives STOP_COPY here and RESUMING \
+             there); `umdev migrate {uuid} --to DST --prepare` creates the destination \
+             instance for it, or detach the client and run `umdev migrate` again"
+        )),
+        InstanceError::NotMigratable { .. } => err(ErrorKind::NotMigratable),
+        InstanceError::Migration { .. } => err(ErrorKind::Migration),
     }
+}
+
+/// A digest of a saved state: `migrate_finish` compares the state saved again with the one
+/// shipped. Computed by the same daemon both times (not a cross-version format), and no
+/// defence against an adversary: it tells a changed state from an unchanged one.
+fn digest(state: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    state.hash(&mut h);
+    h.finish()
 }
 
 fn bad_uuid(uuid: &str) -> ControlError {
@@ -241,8 +260,37 @@ impl Service {
         Ok(info)
     }
 
-    /// Answer one request.
+    /// Answer one request that carries no payload.
+    #[cfg(test)]
     pub fn handle(&self, request: Request) -> Result<Reply, ControlError> {
+        self.handle_with_payload(request, Vec::new())
+            .map(|(r, _)| r)
+    }
+
+    /// Answer one request with the payload that followed it (`migrate_load`'s state);
+    /// returns the reply and its payload (`migrate_save`'s state; empty for the others).
+    pub fn handle_with_payload(
+        &self,
+        request: Request,
+        payload: Vec<u8>,
+    ) -> Result<(Reply, Vec<u8>), ControlError> {
+        let reply = match request {
+            Request::MigrateSave { uuid } => return self.migrate_save(&uuid),
+            Request::MigrateLoad {
+                uuid,
+                type_spec,
+                params,
+                define,
+                autostart,
+                state_len: _,
+            } => self.migrate_load(&uuid, &type_spec, &params, define, autostart, &payload),
+            Request::MigrateFinish { uuid, digest } => self.migrate_finish(&uuid, digest),
+            other => self.handle_plain(other),
+        }?;
+        Ok((reply, Vec::new()))
+    }
+
+    fn handle_plain(&self, request: Request) -> Result<Reply, ControlError> {
         match request {
             Request::Types => Ok(Reply::Types(self.types())),
             Request::List { defined: false } => Ok(Reply::Instances(self.list())),
@@ -263,7 +311,136 @@ impl Service {
             Request::Start { uuid } => self.start(&uuid),
             Request::Stop { uuid, force } => self.stop_or_remove(&uuid, force, Op::Stop),
             Request::Remove { uuid, force } => self.stop_or_remove(&uuid, force, Op::Remove),
+            Request::MigrateSave { .. }
+            | Request::MigrateLoad { .. }
+            | Request::MigrateFinish { .. } => Err(ControlError::new(
+                ErrorKind::Internal,
+                "a migration request without its payload handling (a bug)",
+            )),
         }
+    }
+
+    /// `migrate_save`: the state of a running instance no client holds, and its digest.
+    fn migrate_save(&self, uuid: &str) -> Result<(Reply, Vec<u8>), ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let info = self.running(&uuid)?;
+        if info.parent == "ccw" && !info.params.contains_key(ccw::parent::PARAM_IMAGE) {
+            // Its default image is <uuid>.img in this daemon's image directory, which the
+            // state does not carry: the destination would start on an empty image.
+            return Err(ControlError::new(
+                ErrorKind::NotMigratable,
+                format!(
+                    "{uuid} keeps its data in the image {uuid}.img of this daemon's image \
+                     directory, which a migration does not carry"
+                ),
+            )
+            .hint(
+                "a ccw instance migrates when it names its image (`umdev create --type T \
+                 image=NAME`) and the destination's image directory has that image (shared \
+                 or copied while the instance is detached)",
+            ));
+        }
+        let state = self
+            .registry
+            .save_state(&uuid)
+            .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
+        let defs = lock(&self.defs);
+        let reply = SavedReply {
+            instance: instance_row(info, &defs),
+            state_len: state.len() as u64,
+            digest: digest(&state),
+        };
+        info!(
+            uuid,
+            bytes = state.len(),
+            "migration: state saved for another daemon"
+        );
+        Ok((Reply::Saved(reply), state))
+    }
+
+    /// The running instance `uuid`, or `no_such_instance` with a hint.
+    fn running(&self, uuid: &str) -> Result<InstanceInfo, ControlError> {
+        self.registry.instance(uuid).map_err(|e| {
+            instance_error(e, Op::Migrate, uuid).hint(
+                "`umdev list` lists the running instances (a stopped instance has no state to \
+                 migrate: define it on the other daemon instead)",
+            )
+        })
+    }
+
+    /// `migrate_load`: a new instance with a migrated state, defined if `define`.
+    fn migrate_load(
+        &self,
+        uuid: &str,
+        type_spec: &str,
+        params: &Params,
+        define: bool,
+        autostart: bool,
+        state: &[u8],
+    ) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        self.check_free(&uuid, Op::Migrate)?;
+        let info = self
+            .registry
+            .create_with_state(type_spec, &uuid, params, state)
+            .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
+        let mut definition = None;
+        if define {
+            let def = Definition {
+                version: DEFINITION_VERSION,
+                uuid: uuid.clone(),
+                parent: info.parent.clone(),
+                type_name: info.type_name.clone(),
+                params: info.params.clone(),
+                autostart,
+            };
+            match self.write_definition(def) {
+                Ok(path) => definition = Some(path),
+                Err(e) => {
+                    warn!(
+                        uuid,
+                        "the migrated instance's definition could not be written: stopping it"
+                    );
+                    if let Err(stop) = self.registry.remove(&uuid, true) {
+                        warn!(uuid, error = %chain(&stop), "stopping the instance failed");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        info!(
+            uuid,
+            bytes = state.len(),
+            "migration: instance created with its state"
+        );
+        let defs = lock(&self.defs);
+        Ok(Reply::Started(StartedReply {
+            instance: instance_row(info, &defs),
+            definition,
+        }))
+    }
+
+    /// `migrate_finish`: remove the source instance and its definition, unless a client is
+    /// attached or the state changed since `migrate_save`.
+    fn migrate_finish(&self, uuid: &str, expected: u64) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let state = self
+            .registry
+            .save_state(&uuid)
+            .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
+        if digest(&state) != expected {
+            return Err(ControlError::new(
+                ErrorKind::Migration,
+                format!(
+                    "the state of {uuid} changed while it was migrated (a client attached \
+                     meanwhile): this daemon keeps it"
+                ),
+            ));
+        }
+        self.stop_or_remove_claimed(&uuid, false, Op::Remove)
     }
 
     fn types(&self) -> TypesReply {
@@ -614,6 +791,17 @@ impl Service {
     fn stop_or_remove(&self, uuid: &str, force: bool, op: Op) -> Result<Reply, ControlError> {
         let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
         let _claim = self.claim(&uuid)?;
+        self.stop_or_remove_claimed(&uuid, force, op)
+    }
+
+    /// [`Service::stop_or_remove`] of a canonical UUID the caller has claimed.
+    fn stop_or_remove_claimed(
+        &self,
+        uuid: &str,
+        force: bool,
+        op: Op,
+    ) -> Result<Reply, ControlError> {
+        let uuid = uuid.to_owned();
         let running = self.registry.instance(&uuid).is_ok();
         let def_path = {
             let defs = lock(&self.defs);

@@ -113,6 +113,32 @@ pub enum InstanceError {
         /// How long the registry waited.
         waited: std::time::Duration,
     },
+    /// A client is attached: only the client (the VMM, which owns guest RAM and the
+    /// interrupt eventfds) can migrate the device, over the vfio-user migration messages.
+    #[error(
+        "instance {0} has a client attached: only its VMM can migrate an attached device \
+         (it owns the guest RAM and the interrupts)"
+    )]
+    Attached(String),
+    /// The instance's device does not migrate ([`Device::migration`] is `None`).
+    #[error("instance {uuid}: {type_name} devices do not support migration")]
+    NotMigratable {
+        /// The instance.
+        uuid: String,
+        /// Its type.
+        type_name: String,
+    },
+    /// Saving or loading the instance's state failed (a refused stream says why).
+    #[error("instance {uuid}: {what}")]
+    Migration {
+        /// The instance.
+        uuid: String,
+        /// What was being done.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: crate::migration::MigrationError,
+    },
     /// An I/O error (sockets, files).
     #[error("{what}")]
     Io {

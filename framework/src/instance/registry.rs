@@ -57,6 +57,16 @@
 //! A client that connects while a removal without a client is shutting the server down is
 //! disconnected with the server.
 //!
+//! # Migrating an instance to another registry
+//! [`Registry::save_state`] saves an instance that no client holds as a migration stream
+//! (the one a VMM reads in STOP_COPY): under the device's lock (as a client's message
+//! holds it) the device is stopped, saved and resumed, so it serves on unchanged. While a
+//! client is attached it is refused: the client's VMM owns the guest RAM and interrupts
+//! and migrates the device itself. [`Registry::create_with_state`] creates an instance as
+//! [`Registry::create`] does (same checks, same reservation) and loads the stream into its
+//! device before the server starts, so no client sees the device without its state; a
+//! stream the device refuses fails the create and takes nothing.
+//!
 //! # Dropping the registry
 //! Stops every instance's server at once and waits up to
 //! [`RegistryConfig::teardown_timeout`] for them; the server of a device stuck in a call is
@@ -77,8 +87,9 @@ use tracing::{error, info, warn};
 use super::availability;
 use super::info::{InstanceInfo, RemovalReport, ResourceUsage, TypeInfo};
 use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
-use crate::device::DeviceError;
+use crate::device::{Device, DeviceError};
 use crate::dma::{DmaConfig, DmaSpace};
+use crate::migration::stream::{self, StreamReader};
 use crate::server::{RunningServer, Server, ServerConfig};
 
 /// Name of the registry's own limit when it is what runs out ([`InstanceError::Exhausted`]).
@@ -253,6 +264,42 @@ fn check_parent(parent: &dyn Parent) -> Result<(), String> {
             }
         }
     }
+    Ok(())
+}
+
+/// Load a migration stream into a new instance's device (see
+/// [`Registry::create_with_state`]).
+fn load_stream(
+    device: &mut dyn Device,
+    instance: &Instance,
+    bytes: &[u8],
+) -> Result<(), InstanceError> {
+    let uuid = instance.uuid.as_str();
+    let mig = |what: &'static str| {
+        move |source| InstanceError::Migration {
+            uuid: uuid.to_owned(),
+            what,
+            source,
+        }
+    };
+    let Some(m) = device.migration() else {
+        return Err(InstanceError::NotMigratable {
+            uuid: uuid.to_owned(),
+            type_name: format!("{}/{}", instance.parent, instance.type_name),
+        });
+    };
+    m.stop().map_err(mig("stopping the new device"))?;
+    let mut reader = StreamReader::new();
+    reader
+        .feed(bytes, m)
+        .map_err(mig("the migration stream was refused"))?;
+    let state = reader
+        .finish()
+        .map_err(mig("the migration stream was refused"))?;
+    m.load(&state)
+        .map_err(mig("the migrated state was refused"))?;
+    m.resume().map_err(mig("resuming the loaded device"))?;
+    info!(uuid, bytes = bytes.len(), "instance state loaded");
     Ok(())
 }
 
@@ -451,6 +498,37 @@ impl Registry {
         uuid: Option<&str>,
         params: &Params,
     ) -> Result<InstanceInfo, InstanceError> {
+        self.create_inner(type_spec, uuid, params, None)
+    }
+
+    /// Create an instance as [`Registry::create`] does, with the state `stream` of a
+    /// migrated instance (a migration stream as [`Registry::save_state`] writes it, or as a
+    /// VMM reads it with MIG_DATA_READ) loaded into its device before its socket exists: no
+    /// client ever sees the device without the state. The device goes through the arcs a
+    /// VMM would drive: RUNNING → STOP ([`Migrate::stop`](crate::migration::Migrate::stop)),
+    /// RESUMING (the stream's `Precopy` frames applied, the stream checked whole), STOP
+    /// ([`Migrate::load`](crate::migration::Migrate::load)), RUNNING. A device without
+    /// migration is [`InstanceError::NotMigratable`]; a stream the device refuses (cut
+    /// short, corrupted, another format or version, state of another device) is
+    /// [`InstanceError::Migration`] saying why. Either way the instance is not created and
+    /// takes nothing.
+    pub fn create_with_state(
+        &self,
+        type_spec: &str,
+        uuid: &str,
+        params: &Params,
+        stream: &[u8],
+    ) -> Result<InstanceInfo, InstanceError> {
+        self.create_inner(type_spec, Some(uuid), params, Some(stream))
+    }
+
+    fn create_inner(
+        &self,
+        type_spec: &str,
+        uuid: Option<&str>,
+        params: &Params,
+        state: Option<&[u8]>,
+    ) -> Result<InstanceInfo, InstanceError> {
         let (parent, ty) = self.resolve(type_spec)?;
         let uuid = match uuid {
             Some(u) => canonical_uuid(u)?,
@@ -474,19 +552,21 @@ impl Registry {
             uuid: &uuid,
             armed: true,
         };
-        let served = catch_unwind(AssertUnwindSafe(|| self.serve(parent.as_ref(), &instance)))
-            .unwrap_or_else(|p| {
-                let why = format!(
-                    "parent {} panicked creating a {} instance: {}",
-                    parent.name(),
-                    ty.name,
-                    panic_message(p.as_ref())
-                );
-                error!("{why}");
-                Err(InstanceError::Device(DeviceError::Io(io::Error::other(
-                    why,
-                ))))
-            })?;
+        let served = catch_unwind(AssertUnwindSafe(|| {
+            self.serve(parent.as_ref(), &instance, state)
+        }))
+        .unwrap_or_else(|p| {
+            let why = format!(
+                "parent {} panicked creating a {} instance: {}",
+                parent.name(),
+                ty.name,
+                panic_message(p.as_ref())
+            );
+            error!("{why}");
+            Err(InstanceError::Device(DeviceError::Io(io::Error::other(
+                why,
+            ))))
+        })?;
         let info = InstanceInfo {
             uuid: uuid.clone(),
             parent: instance.parent.clone(),
@@ -509,12 +589,20 @@ impl Registry {
     }
 
     /// Build the device and start its server.
-    fn serve(&self, parent: &dyn Parent, instance: &Instance) -> Result<Served, InstanceError> {
-        let device = parent.create(CreateRequest {
+    fn serve(
+        &self,
+        parent: &dyn Parent,
+        instance: &Instance,
+        state: Option<&[u8]>,
+    ) -> Result<Served, InstanceError> {
+        let mut device = parent.create(CreateRequest {
             uuid: &instance.uuid,
             type_name: &instance.type_name,
             params: &instance.params,
         })?;
+        if let Some(stream) = state {
+            load_stream(device.as_mut(), instance, stream)?;
+        }
         let dma = DmaSpace::new(self.config.dma.clone());
         let mut config = self.config.server.clone();
         config.socket_path = instance.socket.clone();
@@ -529,6 +617,62 @@ impl Registry {
                 source: io::Error::other(e),
             })?;
         Ok(Served { server, dma })
+    }
+
+    /// The whole state of an instance that no client holds, as the migration stream a VMM
+    /// would read in STOP_COPY (`Start`, `State`, `End` frames; for a PCI device the
+    /// framework's PCI section and the device's own): the device is locked (as for a
+    /// client's message), stopped ([`Migrate::stop`](crate::migration::Migrate::stop)),
+    /// saved and resumed, so it serves on unchanged. [`Registry::create_with_state`] loads
+    /// the stream into a new instance, here or in another registry.
+    ///
+    /// Refused with [`InstanceError::Attached`] while a client is attached (its VMM owns
+    /// the guest RAM and interrupts and must drive the migration itself),
+    /// [`InstanceError::NotMigratable`] for a device without migration, `Busy` while the
+    /// instance is being created or removed or its device stays locked, and
+    /// [`InstanceError::Migration`] when the device cannot stop or save (it is resumed if it
+    /// stopped).
+    pub fn save_state(&self, uuid: &str) -> Result<Vec<u8>, InstanceError> {
+        let instance = self.get(uuid)?;
+        let uuid = instance.uuid.as_str();
+        let busy = || InstanceError::Busy(uuid.to_owned());
+        if instance.removing.load(Ordering::Acquire) {
+            return Err(busy());
+        }
+        let served = instance.served();
+        let s = served.as_ref().ok_or_else(busy)?;
+        let mig = |what: &'static str| {
+            move |source| InstanceError::Migration {
+                uuid: uuid.to_owned(),
+                what,
+                source,
+            }
+        };
+        s.server
+            .with_device(self.config.teardown_timeout, |device| {
+                // Under the device lock: a client that attaches from here on waits for it,
+                // and the state saved is the one it finds.
+                if s.server.client_attached() {
+                    return Err(InstanceError::Attached(uuid.to_owned()));
+                }
+                let Some(m) = device.migration() else {
+                    return Err(InstanceError::NotMigratable {
+                        uuid: uuid.to_owned(),
+                        type_name: format!("{}/{}", instance.parent, instance.type_name),
+                    });
+                };
+                m.stop().map_err(mig("stopping the device"))?;
+                let saved = m.save();
+                let resumed = m.resume();
+                let state = saved.map_err(mig("saving the device's state"))?;
+                resumed.map_err(mig("resuming the device after saving its state"))?;
+                let mut out = Vec::with_capacity(state.len() + 64);
+                stream::write_start(&mut out).map_err(mig("framing the state"))?;
+                stream::write_state_and_end(&state, &mut out).map_err(mig("framing the state"))?;
+                info!(uuid, bytes = out.len(), "instance state saved");
+                Ok(out)
+            })
+            .unwrap_or_else(|| Err(busy()))
     }
 
     /// Every served instance, by UUID.

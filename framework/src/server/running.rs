@@ -174,6 +174,30 @@ impl RunningServer {
         closed
     }
 
+    /// Run `f` on the device, locked, as a connection's message handler would; the lock is
+    /// waited for at most `within` (the connection thread holds it while it handles a
+    /// message, and a stuck device holds it for ever). `None` if the server has ended or
+    /// the device stayed busy. A client that connects meanwhile waits for the lock like any
+    /// other caller: `f` never runs concurrently with a client's message.
+    pub fn with_device<R>(
+        &self,
+        within: Duration,
+        f: impl FnOnce(&mut dyn Device) -> R,
+    ) -> Option<R> {
+        let device = self.device.upgrade()?;
+        let deadline = Instant::now() + within;
+        loop {
+            match device.try_lock() {
+                Ok(mut d) => return Some(f(&mut **d)),
+                Err(std::sync::TryLockError::Poisoned(p)) => return Some(f(&mut **p.into_inner())),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
+        }
+    }
+
     /// Ask the attached client to release the device ([`Device::request_release`]: the
     /// device-request IRQ for a PCI device). The device is locked for the call; the lock is
     /// waited for at most `within` (the connection thread holds it while it handles a
