@@ -209,6 +209,17 @@ fn test_ccw_migration_data_set_across_stop_reads_back_with_one_completion() {
     for (i, &catch) in fixed.iter().enumerate() {
         seen.push((catch, round(i as u64, catch)));
     }
+    // A program caught while it holds pins finishes its I/O at STOP and its completion is
+    // carried. On a loaded machine the program may finish before this thread sees its
+    // pins: repeat the race (bounded) until it is caught in flight.
+    for i in 0..60u64 {
+        let s = round(200 + i, Catch::WhilePinned);
+        let caught = matches!(s.carried, Some(InFlightV1::Deliver { .. }));
+        seen.push((Catch::WhilePinned, s));
+        if caught {
+            break;
+        }
+    }
     for i in 0..12u64 {
         let catch = Catch::After {
             micros: [0, 20, 100, 300][i as usize % 4] * (1 + i / 4),
