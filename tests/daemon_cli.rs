@@ -710,8 +710,12 @@ fn thread_nices(pid: u32) -> Vec<(String, i32)> {
 }
 
 #[test]
-fn test_daemon_gpu_engine_thread_low_priority_by_default_inherit_flag_keeps_daemons() {
-    for (flags, want) in [(&[][..], 19), (&["--gpu-engine-nice", "inherit"][..], 0)] {
+fn test_daemon_gpu_engine_thread_keeps_daemons_nice_by_default_flag_lowers_it() {
+    for (flags, want) in [
+        (&[][..], 0),
+        (&["--gpu-engine-nice", "19"][..], 19),
+        (&["--gpu-engine-nice", "inherit"][..], 0),
+    ] {
         let d = Daemon::start(flags);
         let pid = d.child.as_ref().unwrap().id();
         let daemon_nice = thread_nices(pid)

@@ -518,17 +518,18 @@ fn thread_nice(tid: i32) -> i32 {
 }
 
 #[test]
-fn test_gpu_parent_engine_thread_runs_at_low_priority_unless_configured_off() {
+fn test_gpu_parent_engine_thread_keeps_process_nice_by_default_low_priority_when_configured() {
     // SAFETY: gettid has no arguments and cannot fail.
     let me = unsafe { libc::gettid() };
     let inherited = thread_nice(me);
     let main = thread_nice(std::process::id() as i32);
     for (engine_nice, want) in [
         (
-            Some(umdev_devices::gpu::DEFAULT_ENGINE_NICE),
+            Some(umdev_devices::gpu::LOW_PRIORITY_ENGINE_NICE),
             19.max(inherited),
         ),
         (None, inherited),
+        (GpuParentConfig::default().engine_nice, inherited),
     ] {
         let parent = GpuParent::new(GpuParentConfig {
             engine_nice,

@@ -60,7 +60,7 @@ use umdev_cli::signals::TerminationSignals;
 use umdev_devices::ccw::parent::CcwParentError;
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;
-use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType, DEFAULT_ENGINE_NICE};
+use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType};
 
 use crate::CliResult;
 
@@ -99,9 +99,10 @@ pub struct DaemonArgs {
     #[arg(long = "gpu-type", value_name = "NAME:MIB:WEIGHT", value_parser = parse_gpu_type)]
     pub gpu_types: Vec<GpuType>,
     /// Nice value of the GPU parent's shared render engine thread, or `inherit` for the
-    /// daemon's. The engine is throughput work; the instances' own threads (doorbells,
-    /// ring fetches, interrupts) are latency paths and keep the daemon's priority.
-    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, default_value_t = EngineNice::Value(DEFAULT_ENGINE_NICE))]
+    /// daemon's. 19 keeps the engine out of the way of the instances' own threads
+    /// (doorbells, ring fetches, interrupts: latency paths) but starves it on a host whose
+    /// CPUs are busy at normal priority (vCPUs), hence not the default.
+    #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, default_value_t = EngineNice::Inherit)]
     pub gpu_engine_nice: EngineNice,
     /// The ccw parent's storage budget for the images of running instances, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]

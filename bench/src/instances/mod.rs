@@ -93,7 +93,8 @@ pub struct InstancesArgs {
     #[arg(long)]
     pub in_process: bool,
     /// The fairness part's engine thread nice value: -20..=19, or `inherit` for the
-    /// process's (to compare against the GPU parent's default, 19, which the daemon uses).
+    /// process's (the GPU parent's and the daemon's default); e.g. 19 to see what
+    /// `umdev daemon --gpu-engine-nice 19` buys the idle instance's FENCE latency.
     #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true)]
     pub engine_nice: Option<EngineNice>,
     /// Output options.

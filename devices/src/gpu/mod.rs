@@ -93,7 +93,7 @@ pub use engine::{EngineStats, RenderEngine};
 pub use error::GpuError;
 pub use framebuffer::Framebuffer;
 pub use handle::GpuHandle;
-pub use parent::{EngineNice, GpuParent, GpuParentConfig, GpuType, DEFAULT_ENGINE_NICE};
+pub use parent::{EngineNice, GpuParent, GpuParentConfig, GpuType, LOW_PRIORITY_ENGINE_NICE};
 pub use png_dump::PngError;
 pub use regs::Mode;
 

@@ -34,18 +34,23 @@
 //! instance counters ([`GpuParent::instances`], [`EngineStats`]) expose executed commands
 //! and work, and the largest wake-up delay seen in units.
 //!
-//! **The engine runs at the lowest priority by default.** Its thread is throughput work,
-//! busy as long as any instance floods; each instance's connection, fetcher and interrupt
-//! threads are latency paths that run briefly and sleep. With the engine at their
-//! priority, on a machine with fewer cores than busy threads, an idle instance's FENCE
-//! waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at 7–17×
-//! the unloaded latency on 2 cores although the scheduler started it within 2–4 engine
-//! units, and mostly at 1.0–1.2× with the engine thread at nice 19 (nice 10 was not
-//! enough: `docs/benchmarks.md`). So the parent's engine thread sets itself to
-//! [`DEFAULT_ENGINE_NICE`] (19) when it starts ([`GpuParentConfig::engine_nice`]; `None`
-//! leaves it at the process's nice value). Nice only weighs CPU time among runnable
-//! threads: an engine with an otherwise idle CPU runs at full speed, and its shares
-//! among instances are the stride scheduler's, whatever its nice value.
+//! **The engine's CPU priority.** Its thread is throughput work, busy as long as any
+//! instance floods; each instance's connection, fetcher and interrupt threads are latency
+//! paths that run briefly and sleep. With the engine at their priority, on a machine with
+//! fewer cores than busy threads (2 cores shared with other builds), an idle instance's
+//! FENCE waited for a CPU, not for the engine: `umdev bench instances` measured its p90 at
+//! 7–17× the unloaded latency although the scheduler started it within 2–4 engine units,
+//! and mostly at 1.0–1.2× with the engine thread at nice 19 (`docs/benchmarks.md`; on a
+//! quiet machine both stay below 1×). [`GpuParentConfig::engine_nice`] lets the engine thread
+//! set itself to such a value when it starts ([`LOW_PRIORITY_ENGINE_NICE`], 19). It is not
+//! the default: nice only weighs CPU time among runnable threads, so an engine at nice 19
+//! runs at full speed on an otherwise idle CPU but gets ~1.5 % of a CPU against each busy
+//! nice-0 thread — on a host whose vCPU threads keep the CPUs busy, every instance's
+//! rendering would crawl (seen: a test's flood that takes 1 s took over 60 s with four
+//! busy-looping nice-0 threads on 2 cores). By default the engine keeps the process's
+//! nice value (throughput under load over the idle instance's latency); an admin who keeps
+//! CPUs free for the daemon can choose 19 (`umdev daemon --gpu-engine-nice 19`). Either way
+//! the shares among instances are the stride scheduler's.
 //!
 //! What an instance shares: the engine's time and the pool's capacity. What it does not:
 //! its registers, GTT, pins, framebuffer memory, DMA space, interrupts and socket are its
@@ -96,9 +101,10 @@ impl GpuType {
     }
 }
 
-/// The nice value of a [`GpuParent`]'s engine thread unless configured otherwise: the
-/// lowest priority (see the module doc).
-pub const DEFAULT_ENGINE_NICE: i32 = 19;
+/// The lowest priority, for [`GpuParentConfig::engine_nice`] when the idle instances'
+/// latency matters more than the engine's share of a busy host's CPUs (see the module doc;
+/// not the default).
+pub const LOW_PRIORITY_ENGINE_NICE: i32 = 19;
 
 /// The engine's nice value as an admin writes it (`umdev daemon --gpu-engine-nice`): a
 /// number in `-20..=19`, or `inherit` for the process's.
@@ -153,20 +159,20 @@ pub struct GpuParentConfig {
     /// The types offered.
     pub types: Vec<GpuType>,
     /// The nice value (`-20..=19`) the shared engine thread sets on itself when it
-    /// starts; `None`: it keeps the nice value of the process. Default
-    /// [`DEFAULT_ENGINE_NICE`]. A value below the process's needs `CAP_SYS_NICE` (without
+    /// starts; `None` (the default): it keeps the nice value of the process; see
+    /// [`LOW_PRIORITY_ENGINE_NICE`]. A value below the process's needs `CAP_SYS_NICE` (without
     /// it the engine logs a warning and keeps the process's).
     pub engine_nice: Option<i32>,
 }
 
 impl Default for GpuParentConfig {
-    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4); the engine at nice
-    /// [`DEFAULT_ENGINE_NICE`].
+    /// A 64 MiB pool; `gpu-4m` (weight 1) and `gpu-16m` (weight 4); the engine at the
+    /// process's nice value.
     fn default() -> Self {
         GpuParentConfig {
             pool_mib: 64,
             types: vec![GpuType::new("gpu-4m", 4, 1), GpuType::new("gpu-16m", 16, 4)],
-            engine_nice: Some(DEFAULT_ENGINE_NICE),
+            engine_nice: None,
         }
     }
 }
@@ -563,10 +569,7 @@ mod tests {
         }
         assert_eq!(EngineNice::Inherit.nice(), None);
         assert_eq!(EngineNice::Value(5).nice(), Some(5));
-        assert_eq!(
-            GpuParentConfig::default().engine_nice,
-            Some(DEFAULT_ENGINE_NICE)
-        );
+        assert_eq!(GpuParentConfig::default().engine_nice, None);
     }
 
     #[test]
