@@ -5,7 +5,7 @@ use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -15,96 +15,23 @@ use umdev_devices::gpu::regs::{self, ID_MAGIC};
 use umdev_devices::gpu::Command as GpuCmd;
 use umdev_devices::testing::Bar0;
 
-const BIN: &str = env!("CARGO_BIN_EXE_umdev");
+#[path = "common/daemon.rs"]
+mod daemon;
+
+use daemon::{Daemon, BIN};
+
 const RAM_BASE: u64 = 1 << 30;
 const UUID: &str = "00000000-0000-4000-8000-0000000000b1";
 
-/// A daemon process on a state and a socket directory in a temp dir.
-struct Daemon {
-    dir: tempfile::TempDir,
-    child: Child,
+/// What these tests ask a daemon beyond the shared rig.
+trait MigrateRig {
+    fn snapshot(&self) -> (Value, Value);
+    fn instance(&self, uuid: &str) -> Option<Value>;
+    fn socket(&self, uuid: &str) -> PathBuf;
+    fn wait_detached(&self, uuid: &str);
 }
 
-impl Daemon {
-    fn start(extra: &[&str]) -> Daemon {
-        let dir = tempfile::tempdir().unwrap();
-        let log = fs::File::create(dir.path().join("daemon.log")).unwrap();
-        let mut child = Command::new(BIN)
-            .arg("daemon")
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--socket-dir")
-            .arg(dir.path().join("sockets"))
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .env_remove("UMDEV_CONTROL")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let d_log = dir.path().join("daemon.log");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !fs::read_to_string(&d_log)
-            .unwrap_or_default()
-            .contains("umdev daemon ready")
-        {
-            if let Some(status) = child.try_wait().unwrap() {
-                panic!("the daemon exited ({status})");
-            }
-            assert!(Instant::now() < deadline, "the daemon never got ready");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Daemon { dir, child }
-    }
-
-    fn control(&self) -> PathBuf {
-        self.dir.path().join("sockets").join("control.sock")
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join("daemon.log")).unwrap_or_default()
-    }
-
-    /// `umdev ARGS` against this daemon (through UMDEV_CONTROL, as an admin's shell has it).
-    fn umdev(&self, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .args(args)
-            .env("UMDEV_CONTROL", self.control())
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.umdev(args);
-        assert!(
-            out.status.success(),
-            "umdev {args:?} failed: {}\ndaemon log:\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            self.log()
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    fn json(&self, args: &[&str]) -> Value {
-        let mut args = args.to_vec();
-        args.push("--json");
-        serde_json::from_str(&self.ok(&args)).unwrap()
-    }
-
-    fn fail(&self, args: &[&str]) -> String {
-        let out = self.umdev(args);
-        assert_eq!(
-            out.status.code(),
-            Some(1),
-            "umdev {args:?} did not fail: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        String::from_utf8(out.stderr).unwrap()
-    }
-
+impl MigrateRig for Daemon {
     /// What `list` and `list --defined` say: compared before and after a refused migration.
     fn snapshot(&self) -> (Value, Value) {
         let mut list = self.json(&["list"]);
@@ -135,13 +62,6 @@ impl Daemon {
             assert!(Instant::now() < deadline, "the client never detached");
             std::thread::sleep(Duration::from_millis(10));
         }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -524,7 +444,7 @@ fn test_migrate_ccw_named_image_keeps_registers_default_image_refused() {
     let b = Daemon::start(&[]);
     // The image on both sides (shared storage, or copied while detached).
     for d in [&a, &b] {
-        let f = fs::File::create(d.dir.path().join("state/ccw-images/disk.img")).unwrap();
+        let f = fs::File::create(d.state().join("ccw-images/disk.img")).unwrap();
         f.set_len(16 << 20).unwrap();
     }
     a.ok(&[

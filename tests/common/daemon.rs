@@ -1,0 +1,162 @@
+//! A `umdev daemon` process for the CLI tests (`tests/daemon_cli.rs`,
+//! `tests/daemon_migrate.rs`): state and socket directories in a temp dir, its log, and
+//! `umdev ARGS` run against it through `UMDEV_CONTROL`.
+#![allow(dead_code)]
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The `umdev` binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_umdev");
+
+/// A daemon process on a state and a socket directory in a temp dir.
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub extra: Vec<String>,
+    starts: usize,
+}
+
+impl Daemon {
+    /// Start a daemon with `extra` flags; returns once it answers requests.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let mut d = Daemon {
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            starts: 0,
+        };
+        d.restart();
+        d
+    }
+
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn sockets(&self) -> PathBuf {
+        self.dir.path().join("sockets")
+    }
+
+    pub fn control(&self) -> PathBuf {
+        self.sockets().join("control.sock")
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join(format!("daemon-{}.log", self.starts))
+    }
+
+    /// What the current (or last) daemon process logged.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(BIN);
+        c.arg("daemon")
+            .arg("--state-dir")
+            .arg(self.state())
+            .arg("--socket-dir")
+            .arg(self.sockets())
+            .args(&self.extra)
+            .env("RUST_LOG", "info")
+            .env_remove("UMDEV_CONTROL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        c
+    }
+
+    /// Start the daemon (again, on the same directories).
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "a daemon is running");
+        self.starts += 1;
+        let log = fs::File::create(self.log_path()).unwrap();
+        let mut child = self.command().stderr(log).spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.log().contains("umdev daemon ready") {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("the daemon exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon never got ready:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child = Some(child);
+    }
+
+    /// SIGTERM the daemon and wait for it; returns its log. It must exit successfully.
+    pub fn stop(&mut self) -> String {
+        let mut child = self.child.take().expect("no daemon running");
+        // SAFETY: signalling our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "the daemon did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let log = self.log();
+        assert!(status.success(), "the daemon failed ({status}):\n{log}");
+        log
+    }
+
+    /// Run `umdev ARGS` against this daemon (its control socket through UMDEV_CONTROL).
+    pub fn umdev(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .args(args)
+            .env("UMDEV_CONTROL", self.control())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// Run `umdev ARGS`; it must succeed. Returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(
+            out.status.success(),
+            "umdev {args:?} failed: {}\ndaemon log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Run `umdev ARGS --json`; it must succeed. Returns the parsed output.
+    pub fn json(&self, args: &[&str]) -> Value {
+        let mut args = args.to_vec();
+        args.push("--json");
+        serde_json::from_str(&self.ok(&args)).unwrap()
+    }
+
+    /// Run `umdev ARGS`; it must fail with status 1. Returns stderr.
+    pub fn fail(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "umdev {args:?} did not fail: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8(out.stderr).unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
