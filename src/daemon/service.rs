@@ -386,30 +386,11 @@ impl Service {
             .registry
             .create_with_state(type_spec, &uuid, params, state)
             .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
-        let mut definition = None;
-        if define {
-            let def = Definition {
-                version: DEFINITION_VERSION,
-                uuid: uuid.clone(),
-                parent: info.parent.clone(),
-                type_name: info.type_name.clone(),
-                params: info.params.clone(),
-                autostart,
-            };
-            match self.write_definition(def) {
-                Ok(path) => definition = Some(path),
-                Err(e) => {
-                    warn!(
-                        uuid,
-                        "the migrated instance's definition could not be written: stopping it"
-                    );
-                    if let Err(stop) = self.registry.remove(&uuid, true) {
-                        warn!(uuid, error = %chain(&stop), "stopping the instance failed");
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        let definition = if define {
+            Some(self.define_started(&uuid, &info, autostart)?)
+        } else {
+            None
+        };
         info!(
             uuid,
             bytes = state.len(),
@@ -550,6 +531,34 @@ impl Service {
         }
     }
 
+    /// Define the instance just started (`info`), as `create --auto` and a migration's
+    /// destination do; if the definition cannot be written the instance is stopped again,
+    /// so that no started instance is left behind an error.
+    fn define_started(
+        &self,
+        uuid: &str,
+        info: &InstanceInfo,
+        autostart: bool,
+    ) -> Result<PathBuf, ControlError> {
+        let def = Definition {
+            version: DEFINITION_VERSION,
+            uuid: uuid.to_owned(),
+            parent: info.parent.clone(),
+            type_name: info.type_name.clone(),
+            params: info.params.clone(),
+            autostart,
+        };
+        self.write_definition(def).inspect_err(|_| {
+            warn!(
+                uuid,
+                "the definition could not be written: stopping the instance again"
+            );
+            if let Err(stop) = self.registry.remove(uuid, true) {
+                warn!(uuid, error = %chain(&stop), "stopping the instance failed");
+            }
+        })
+    }
+
     fn write_definition(&self, def: Definition) -> Result<PathBuf, ControlError> {
         let path = self.store.write(&def).map_err(|e| {
             ControlError::new(
@@ -576,30 +585,11 @@ impl Service {
             .registry
             .create(type_spec, Some(&uuid), params)
             .map_err(|e| instance_error(e, Op::Create, &uuid))?;
-        let mut definition = None;
-        if auto {
-            let def = Definition {
-                version: DEFINITION_VERSION,
-                uuid: uuid.clone(),
-                parent: info.parent.clone(),
-                type_name: info.type_name.clone(),
-                params: info.params.clone(),
-                autostart: true,
-            };
-            match self.write_definition(def) {
-                Ok(path) => definition = Some(path),
-                Err(e) => {
-                    warn!(
-                        uuid,
-                        "the definition could not be written: stopping the instance again"
-                    );
-                    if let Err(stop) = self.registry.remove(&uuid, true) {
-                        warn!(uuid, error = %chain(&stop), "stopping the instance failed");
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        let definition = if auto {
+            Some(self.define_started(&uuid, &info, true)?)
+        } else {
+            None
+        };
         let defs = lock(&self.defs);
         Ok(Reply::Started(StartedReply {
             instance: instance_row(info, &defs),

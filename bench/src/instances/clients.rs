@@ -97,6 +97,20 @@ pub fn ccw_pattern(index: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Connect to `socket` and do what a guest driver does at probe: guest RAM mapped, the
+/// device enabled with MSI, the mode set and the ring at the start of guest RAM.
+fn probe_gpu(socket: &Path) -> Result<(Driver<Bar0<Vmm>>, GuestMemory, EventFd), ClientError> {
+    let vmm = step("connect", Vmm::connect(socket))?;
+    let mut vmm = step("DMA_MAP guest RAM", vmm.with_ram(RAM_BASE, RAM_SIZE))?;
+    step("enable", vmm.enable_device())?;
+    let msi = step("MSI", vmm.enable_msi())?;
+    let ram = vmm.ram().clone();
+    let mut drv = step("probe", Driver::probe(Bar0(vmm)))?;
+    step("mode", drv.set_mode(MODE_W, MODE_H, MODE_W * 4))?;
+    step("ring", drv.setup_ring(RAM_BASE, RING_BYTES))?;
+    Ok((drv, ram, msi))
+}
+
 /// A connected GPU guest driver (see the module doc).
 pub struct GpuClient {
     drv: Driver<Bar0<Vmm>>,
@@ -109,14 +123,7 @@ pub struct GpuClient {
 impl GpuClient {
     /// Connect to `socket` and do what a guest driver does at probe.
     pub fn connect(socket: &Path) -> Result<GpuClient, ClientError> {
-        let vmm = step("connect", Vmm::connect(socket))?;
-        let mut vmm = step("DMA_MAP guest RAM", vmm.with_ram(RAM_BASE, RAM_SIZE))?;
-        step("enable", vmm.enable_device())?;
-        let msi = step("MSI", vmm.enable_msi())?;
-        let ram = vmm.ram().clone();
-        let mut drv = step("probe", Driver::probe(Bar0(vmm)))?;
-        step("mode", drv.set_mode(MODE_W, MODE_H, MODE_W * 4))?;
-        step("ring", drv.setup_ring(RAM_BASE, RING_BYTES))?;
+        let (mut drv, ram, msi) = probe_gpu(socket)?;
         for p in 0..SURFACE_PAGES {
             step(
                 "GTT",
@@ -263,14 +270,7 @@ pub struct FenceProber {
 impl FenceProber {
     /// Connect to `socket`: mode, a 4 KiB ring, MSI, `IRQ_FENCE` enabled.
     pub fn connect(socket: &Path) -> Result<FenceProber, ClientError> {
-        let vmm = step("connect", Vmm::connect(socket))?;
-        let mut vmm = step("DMA_MAP guest RAM", vmm.with_ram(RAM_BASE, RAM_SIZE))?;
-        step("enable", vmm.enable_device())?;
-        let msi = step("MSI", vmm.enable_msi())?;
-        let ram = vmm.ram().clone();
-        let mut drv = step("probe", Driver::probe(Bar0(vmm)))?;
-        step("mode", drv.set_mode(MODE_W, MODE_H, MODE_W * 4))?;
-        step("ring", drv.setup_ring(RAM_BASE, RING_BYTES))?;
+        let (mut drv, ram, msi) = probe_gpu(socket)?;
         step("IRQ enable", drv.enable_irqs(IRQ_FENCE))?;
         Ok(FenceProber {
             drv,
