@@ -353,6 +353,15 @@ impl CcwParent {
         Ok(file)
     }
 
+    /// The storage budget, the one resource this parent shares.
+    fn storage(&self) -> Resource {
+        Resource {
+            name: RESOURCE_STORAGE.to_owned(),
+            unit: "MiB".to_owned(),
+            total: self.inner.config.budget_mib,
+        }
+    }
+
     /// Build instance `req` as a [`Ccw`] (what [`Parent::create`] serves through a
     /// [`PciAdapter`]): its share of the budget and its image are taken.
     pub fn create_ccw(&self, req: CreateRequest<'_>) -> Result<Ccw, InstanceError> {
@@ -371,16 +380,7 @@ impl CcwParent {
             return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
         }
         let used: u64 = table.instances.values().map(|i| i.capacity_mib).sum();
-        let left = self.inner.config.budget_mib.saturating_sub(used);
-        if ty.capacity_mib > left {
-            return Err(InstanceError::Exhausted {
-                type_name: ty.name.clone(),
-                resource: RESOURCE_STORAGE.to_owned(),
-                unit: "MiB".to_owned(),
-                needed: ty.capacity_mib,
-                left,
-            });
-        }
+        self.storage().check_room(&ty.name, used, ty.capacity_mib)?;
         if let Some(user) = table.user_of(&name) {
             return Err(bad_param(
                 PARAM_IMAGE,
@@ -430,11 +430,7 @@ impl Parent for CcwParent {
     }
 
     fn resources(&self) -> Vec<Resource> {
-        vec![Resource {
-            name: RESOURCE_STORAGE.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.budget_mib,
-        }]
+        vec![self.storage()]
     }
 
     fn types(&self) -> Vec<InstanceType> {

@@ -354,6 +354,15 @@ impl GpuParent {
             .ok_or_else(|| InstanceError::UnknownType(name.to_owned()))
     }
 
+    /// The framebuffer pool, the one resource this parent shares.
+    fn framebuffer_pool(&self) -> Resource {
+        Resource {
+            name: RESOURCE_FRAMEBUFFER.to_owned(),
+            unit: "MiB".to_owned(),
+            total: self.inner.config.pool_mib,
+        }
+    }
+
     /// Build instance `req` as a [`Gpu`] (what [`Parent::create`] serves through a
     /// [`PciAdapter`]): its share of the pool is taken, its commands go to the shared
     /// engine with its type's weight.
@@ -365,16 +374,8 @@ impl GpuParent {
             return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
         }
         let used: u64 = instances.values().map(|e| e.fb_mib).sum();
-        let left = self.inner.config.pool_mib.saturating_sub(used);
-        if ty.fb_mib > left {
-            return Err(InstanceError::Exhausted {
-                type_name: ty.name.clone(),
-                resource: RESOURCE_FRAMEBUFFER.to_owned(),
-                unit: "MiB".to_owned(),
-                needed: ty.fb_mib,
-                left,
-            });
-        }
+        self.framebuffer_pool()
+            .check_room(&ty.name, used, ty.fb_mib)?;
         let config = GpuConfig {
             fb_size: ty.fb_mib << 20,
         };
@@ -413,11 +414,7 @@ impl Parent for GpuParent {
     }
 
     fn resources(&self) -> Vec<Resource> {
-        vec![Resource {
-            name: RESOURCE_FRAMEBUFFER.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.pool_mib,
-        }]
+        vec![self.framebuffer_pool()]
     }
 
     fn types(&self) -> Vec<InstanceType> {

@@ -19,6 +19,30 @@ pub struct Resource {
     pub total: u64,
 }
 
+impl Resource {
+    /// The error for an instance of `type_name` that needs `needed` of this resource where
+    /// only `left` remains.
+    pub fn exhausted(&self, type_name: &str, needed: u64, left: u64) -> InstanceError {
+        InstanceError::Exhausted {
+            type_name: type_name.to_owned(),
+            resource: self.name.clone(),
+            unit: self.unit.clone(),
+            needed,
+            left,
+        }
+    }
+
+    /// Whether one more instance of `type_name` needing `needed` fits beside `used`:
+    /// [`InstanceError::Exhausted`] naming this resource if not.
+    pub fn check_room(&self, type_name: &str, used: u64, needed: u64) -> Result<(), InstanceError> {
+        let left = self.total.saturating_sub(used);
+        if needed > left {
+            return Err(self.exhausted(type_name, needed, left));
+        }
+        Ok(())
+    }
+}
+
 /// A kind of instance a parent offers (the kernel's mdev type).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InstanceType {

@@ -466,20 +466,17 @@ impl Registry {
         if self.instances.contains_key(&instance.uuid) {
             return Err(InstanceError::UuidInUse(instance.uuid.clone()));
         }
-        let exhausted =
-            |resource: &str, unit: &str, needed: u64, left: u64| InstanceError::Exhausted {
-                type_name: ty.name.clone(),
-                resource: resource.to_owned(),
-                unit: unit.to_owned(),
-                needed,
-                left,
-            };
         if self.room() == 0 {
-            return Err(exhausted(INSTANCES_RESOURCE, INSTANCES_RESOURCE, 1, 0));
+            let slots = Resource {
+                name: INSTANCES_RESOURCE.to_owned(),
+                unit: INSTANCES_RESOURCE.to_owned(),
+                total: 0,
+            };
+            return Err(slots.exhausted(&ty.name, 1, 0));
         }
         let used = self.usage(&instance.parent, resources);
         if let Some((r, needed, left)) = availability::shortfall(ty, resources, &used) {
-            return Err(exhausted(&r.name, &r.unit, needed, left));
+            return Err(r.exhausted(&ty.name, needed, left));
         }
         self.instances.insert(instance.uuid.clone(), instance);
         Ok(())
