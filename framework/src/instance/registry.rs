@@ -90,6 +90,7 @@ use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource
 use crate::device::{Device, DeviceError};
 use crate::dma::{DmaConfig, DmaSpace};
 use crate::migration::stream::{self, StreamReader};
+use crate::migration::{Migrate, MigrationError};
 use crate::server::{RunningServer, Server, ServerConfig};
 
 /// Name of the registry's own limit when it is what runs out ([`InstanceError::Exhausted`]).
@@ -267,6 +268,28 @@ fn check_parent(parent: &dyn Parent) -> Result<(), String> {
     Ok(())
 }
 
+/// The instance's device as a [`Migrate`], or `NotMigratable`.
+fn migrate_of<'d>(
+    device: &'d mut dyn Device,
+    instance: &Instance,
+) -> Result<&'d mut dyn Migrate, InstanceError> {
+    device
+        .migration()
+        .ok_or_else(|| InstanceError::NotMigratable {
+            uuid: instance.uuid.clone(),
+            type_name: format!("{}/{}", instance.parent, instance.type_name),
+        })
+}
+
+/// Maps a migration error of instance `uuid` while doing `what`.
+fn mig<'u>(uuid: &'u str, what: &'static str) -> impl FnOnce(MigrationError) -> InstanceError + 'u {
+    move |source| InstanceError::Migration {
+        uuid: uuid.to_owned(),
+        what,
+        source,
+    }
+}
+
 /// Load a migration stream into a new instance's device (see
 /// [`Registry::create_with_state`]).
 fn load_stream(
@@ -275,19 +298,8 @@ fn load_stream(
     bytes: &[u8],
 ) -> Result<(), InstanceError> {
     let uuid = instance.uuid.as_str();
-    let mig = |what: &'static str| {
-        move |source| InstanceError::Migration {
-            uuid: uuid.to_owned(),
-            what,
-            source,
-        }
-    };
-    let Some(m) = device.migration() else {
-        return Err(InstanceError::NotMigratable {
-            uuid: uuid.to_owned(),
-            type_name: format!("{}/{}", instance.parent, instance.type_name),
-        });
-    };
+    let mig = |what| mig(uuid, what);
+    let m = migrate_of(device, instance)?;
     m.stop().map_err(mig("stopping the new device"))?;
     let mut reader = StreamReader::new();
     reader
@@ -638,13 +650,7 @@ impl Registry {
         }
         let served = instance.served();
         let s = served.as_ref().ok_or_else(busy)?;
-        let mig = |what: &'static str| {
-            move |source| InstanceError::Migration {
-                uuid: uuid.to_owned(),
-                what,
-                source,
-            }
-        };
+        let mig = |what| mig(uuid, what);
         s.server
             .with_device(self.config.teardown_timeout, |device| {
                 // Under the device lock: a client that attaches from here on waits for it,
@@ -652,12 +658,7 @@ impl Registry {
                 if s.server.client_attached() {
                     return Err(InstanceError::Attached(uuid.to_owned()));
                 }
-                let Some(m) = device.migration() else {
-                    return Err(InstanceError::NotMigratable {
-                        uuid: uuid.to_owned(),
-                        type_name: format!("{}/{}", instance.parent, instance.type_name),
-                    });
-                };
+                let m = migrate_of(device, &instance)?;
                 m.stop().map_err(mig("stopping the device"))?;
                 let saved = m.save();
                 let resumed = m.resume();
