@@ -31,9 +31,8 @@ use umdev::instance::{
 };
 use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, PciAdapter, PciConfig, PciDevice, PciIds};
-use umdev::server::{Server, ServerConfig};
+use umdev::server::{Server, ServerConfig, TerminationSignals};
 use umdev::testing::{wait_eventfd, DeviceAccess, Vmm};
-use umdev_cli::signals::TerminationSignals;
 
 const REG_ID: u64 = 0x00;
 const REG_ADDR: u64 = 0x08;

@@ -7,12 +7,11 @@ use clap::ValueEnum;
 use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
-use umdev::server::{Server, ServerConfig};
+use umdev::server::{Server, ServerConfig, TerminationSignals};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
 use crate::{CliResult, DeviceKind};
-use umdev_cli::signals::TerminationSignals;
 
 /// Residency policy for pinned pages (see protocol-docs/dma.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

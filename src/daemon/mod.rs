@@ -56,7 +56,7 @@ use tracing::{info, warn};
 use umdev::instance::{InstanceError, Parent, Registry, RegistryConfig};
 use umdev::server::listener::SocketListener;
 use umdev::server::ServerError;
-use umdev_cli::signals::TerminationSignals;
+use umdev::server::TerminationSignals;
 use umdev_devices::ccw::parent::CcwParentError;
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;

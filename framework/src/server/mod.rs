@@ -22,6 +22,8 @@
 //! negotiated max_data_xfer_size, a missing reply times out, and a disconnect fails every
 //! pending request. In twin-socket mode the requests use a separate socket with its own
 //! reader thread. Every message is handled in a `tracing` span (id, command, size, errno).
+//!
+//! A binary serves until Ctrl-C/SIGTERM with [`TerminationSignals`] ([`signals`]).
 
 pub mod channel;
 mod config;
@@ -33,8 +35,10 @@ mod migration;
 mod refuse;
 pub mod remote_dma;
 mod running;
+pub mod signals;
 pub mod socket_io;
 
 pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
 pub use running::{RunningServer, Server, ShutdownHandle};
+pub use signals::TerminationSignals;
