@@ -10,7 +10,8 @@
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
 //! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
-//! `sigbus` (surviving a client that shrinks a mapped file).
+//! `sigbus` (surviving a client that shrinks a mapped file), `pinned_copy` (copies between
+//! pinned page arrays at any page offsets, and the [`PinnedPages`] guard that makes them safe).
 //!
 //! # Which mappings an unmap removes
 //! [`DmaSpace::unmap`] follows the kernel's type1v2 (`vfio_dma_do_unmap` in
@@ -70,6 +71,7 @@ mod mapping;
 mod naive;
 mod pin;
 mod pin_table;
+mod pinned_copy;
 mod region;
 mod residency;
 mod rw;
@@ -82,10 +84,14 @@ use std::sync::atomic::{
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use arc_swap::ArcSwap;
-use vm_memory::{ByteValued, VolatileSlice};
+use vm_memory::ByteValued;
 
 pub use error::DmaError;
 pub use naive::NaiveDma;
+pub use pinned_copy::{copy_pinned, copy_segments, PinnedPages};
+/// The volatile view of guest memory that [`DmaHandle::pinned_slice`] returns (vm-memory's,
+/// re-exported so that a device crate needs no vm-memory dependency of its own).
+pub use vm_memory::VolatileSlice;
 
 use map_table::MapTable;
 use region::HostMem;
