@@ -62,7 +62,8 @@
 //!   ([`Vmm`]) and for a [`PciAdapter`](crate::pci::PciAdapter) called in-process.
 //! - [`RawClient`]: a raw protocol client for malformed-input tests: any bytes, any fds.
 //! - [`TrivialDevice`], a device with nothing but registers, and small helpers: [`memfd`],
-//!   [`wait_until`], [`wait_eventfd`], [`open_fds`], [`Rng`], [`init_logs`].
+//!   [`wait_until`], [`wait_eventfd`] (and [`Vmm::wait_irq_serving`], which answers the
+//!   device's DMA requests while it waits), [`EventFd`], [`open_fds`], [`Rng`], [`init_logs`].
 //!
 //! The [`Vmm`] is built on the [`RawClient`], not on the `vfio_user` crate's client: that
 //! client cannot answer the server's DMA_READ/DMA_WRITE. umdev's own tests still drive
@@ -104,8 +105,12 @@ pub use raw_client::{Msg, RawClient, DEFAULT_CAPS, READ_TIMEOUT};
 pub use rng::Rng;
 pub use server::{SharedDevice, TestServer, TestServerBuilder, TEST_REMOTE_DMA_TIMEOUT};
 pub use trivial::{TrivialDevice, TRIVIAL_BAR0_SIZE, TRIVIAL_CONFIG_SIZE};
-pub use vmm::{wait_eventfd, DmaServer, MappedRegion, RegionInfo, Vmm, CONNECT_RETRY};
+pub use vmm::{wait_eventfd, DmaServer, MappedRegion, RegionInfo, Vmm, CONNECT_RETRY, POLL};
 pub use vmm_migration::MIGRATION_CAPS;
+/// The interrupt eventfds the harness hands out ([`DeviceAccess::enable_msi`] and the like)
+/// and waits on ([`wait_eventfd`], [`Vmm::wait_irq_serving`]): vmm-sys-util's, re-exported
+/// so that a test crate needs no vmm-sys-util dependency of its own.
+pub use vmm_sys_util::eventfd::EventFd;
 
 use std::fs::File;
 use std::io;

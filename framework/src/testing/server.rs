@@ -7,6 +7,19 @@
 //! connection thread takes the same lock for every message, so a test must not hold the
 //! guard while it waits for a reply.
 //!
+//! **A device that panics.** The server's connection thread catches a panic in a device
+//! call (the client gets EIO and is disconnected, the server serves on). The test server
+//! also records it, with the name of the test that started the server (the test thread's
+//! name), and prints it to the test's output at once: `the device of test `m::test_x`
+//! panicked in region_write: ...`; [`TestServer::device_panics`] lists them. A panic in a
+//! worker thread the device spawned in `attach` is printed by Rust's own panic hook into
+//! the same test's output (`attach` runs on the test thread, so its threads inherit the
+//! capture). A SIGSEGV (a write through a stale or read-only host address) cannot be caught
+//! by anything in the process: it ends the whole test binary, and only the libtest line of
+//! the test that was running tells which one. Copy pinned memory with
+//! [`PinnedPages`](crate::dma::PinnedPages), which checks the range and the permission, and
+//! that cause is gone.
+//!
 //! The remote DMA timeout is 2 s instead of the server's default, so that a test whose client
 //! never answers a DMA_READ fails in seconds; [`TestServerBuilder::configure`] changes it and
 //! anything else in [`ServerConfig`].
@@ -117,6 +130,82 @@ fn with_migration<D: Device, T>(
     }
 }
 
+/// Panics of a served device, and the test they belong to.
+#[derive(Debug)]
+struct DevicePanics {
+    test: String,
+    seen: Mutex<Vec<String>>,
+}
+
+/// The harness's outermost device: every call goes through `catch_unwind`, a panic is
+/// recorded in [`DevicePanics`] and printed with the test's name, then resumed, so the
+/// server answers it as it answers any device panic.
+struct Watched<T> {
+    inner: T,
+    panics: Arc<DevicePanics>,
+}
+
+impl<T> Watched<T> {
+    fn watch<R>(&mut self, call: &str, f: impl FnOnce(&mut T) -> R) -> R {
+        let inner = &mut self.inner;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(inner))) {
+            Ok(r) => r,
+            Err(payload) => {
+                let why = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(a non-string panic payload)".into());
+                let note = format!(
+                    "the device of test `{}` panicked in {call}: {why}",
+                    self.panics.test
+                );
+                eprintln!("umdev::testing: {note}");
+                lock(&self.panics.seen).push(note);
+                std::panic::resume_unwind(payload)
+            }
+        }
+    }
+}
+
+impl<T: Device> Device for Watched<T> {
+    fn info(&self) -> DeviceInfo {
+        self.inner.info()
+    }
+    fn region_read(
+        &mut self,
+        region: u32,
+        offset: u64,
+        data: &mut [u8],
+    ) -> Result<(), DeviceError> {
+        self.watch("region_read", |d| d.region_read(region, offset, data))
+    }
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.watch("region_write", |d| d.region_write(region, offset, data))
+    }
+    fn attach(&mut self, dma: DmaHandle) {
+        self.watch("attach", |d| d.attach(dma))
+    }
+    fn set_irqs(&mut self, req: SetIrqs) -> Result<(), DeviceError> {
+        self.watch("set_irqs", |d| d.set_irqs(req))
+    }
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        self.watch("reset", |d| d.reset())
+    }
+    fn dma_unmap(&mut self, iova: u64, size: u64) {
+        self.watch("dma_unmap", |d| d.dma_unmap(iova, size))
+    }
+    fn disconnected(&mut self) {
+        self.watch("disconnected", |d| d.disconnected())
+    }
+    fn request_release(&mut self) -> bool {
+        self.watch("request_release", |d| d.request_release())
+    }
+    fn migration(&mut self) -> Option<&mut dyn Migrate> {
+        self.inner.migration()
+    }
+}
+
 /// A running server with its device, on `dev.sock` in a temp dir that is removed on drop.
 pub struct TestServer<D: Device + 'static> {
     device: Arc<Mutex<D>>,
@@ -125,6 +214,7 @@ pub struct TestServer<D: Device + 'static> {
     // Dropped before `dir`: the server stops before its directory goes away.
     running: Option<RunningServer>,
     dir: tempfile::TempDir,
+    panics: Arc<DevicePanics>,
 }
 
 /// How a [`TestServer`] is started: DMA configuration, server configuration, directory.
@@ -167,7 +257,18 @@ impl<D: Device + 'static> TestServerBuilder<D> {
         config.socket_path = path.clone();
         let device = Arc::new(Mutex::new(self.device));
         let dma = DmaSpace::new(self.dma);
-        let running = Server::new(config, Box::new(SharedDevice(device.clone())), dma.clone())
+        let panics = Arc::new(DevicePanics {
+            test: std::thread::current()
+                .name()
+                .unwrap_or("(unnamed thread)")
+                .to_string(),
+            seen: Mutex::new(Vec::new()),
+        });
+        let watched = Watched {
+            inner: SharedDevice(device.clone()),
+            panics: panics.clone(),
+        };
+        let running = Server::new(config, Box::new(watched), dma.clone())
             .spawn()
             .map_err(server_error)?;
         Ok(TestServer {
@@ -176,6 +277,7 @@ impl<D: Device + 'static> TestServerBuilder<D> {
             path,
             running: Some(running),
             dir,
+            panics,
         })
     }
 }
@@ -215,6 +317,12 @@ impl<D: Device + 'static> TestServer<D> {
     /// The device's DMA space (maps, pins, statistics).
     pub fn dma(&self) -> &Arc<DmaSpace> {
         &self.dma
+    }
+
+    /// Every panic of the device in a call from the server so far, oldest first, each as
+    /// "the device of test `NAME` panicked in CALL: MESSAGE" (see the module docs).
+    pub fn device_panics(&self) -> Vec<String> {
+        lock(&self.panics.seen).clone()
     }
 
     /// The device, locked. Keep the guard short: the server locks it for every message.

@@ -161,7 +161,7 @@ fn test_vmm_fdless_honest_answer_serves_bytes_and_logs_request() {
     let server = TestServer::start(TrivialDevice::default()).unwrap();
     let mut vmm = fdless_vmm(&server);
     let t = device_read(&server);
-    vmm.serve_idle(WAIT, |v| v.requests() == 1).unwrap();
+    assert!(vmm.serve_until(WAIT, |v| v.requests() == 1).unwrap());
     assert_eq!(t.join().unwrap().unwrap(), vmm.mem()[0x10..0x20].to_vec());
     assert_eq!(
         vmm.log(),
@@ -180,7 +180,7 @@ fn test_vmm_fdless_error_answer_fails_device_read_with_efault() {
     let mut vmm = fdless_vmm(&server);
     vmm.set_answer(Answer::Errors);
     let t = device_read(&server);
-    vmm.serve_idle(WAIT, |v| v.requests() == 1).unwrap();
+    assert!(vmm.serve_until(WAIT, |v| v.requests() == 1).unwrap());
     assert_eq!(t.join().unwrap(), Err(libc::EFAULT));
     assert_eq!(vmm.fdless().reads(), 0);
 }
@@ -194,7 +194,7 @@ fn test_vmm_fdless_silent_answer_device_read_times_out() {
     let mut vmm = fdless_vmm(&server);
     vmm.set_answer(Answer::Silent);
     let t = device_read(&server);
-    vmm.serve_idle(WAIT, |v| v.requests() == 1).unwrap();
+    assert!(vmm.serve_until(WAIT, |v| v.requests() == 1).unwrap());
     assert_eq!(t.join().unwrap(), Err(libc::ETIMEDOUT));
 }
 
@@ -205,7 +205,7 @@ fn test_vmm_fdless_request_outside_memory_gets_efault_not_panic() {
     vmm.set_fdless(FdlessMemory::new(FDLESS, 0x10));
     vmm.dma_map_fdless(FDLESS, 0x2000).unwrap();
     let t = device_read(&server);
-    vmm.serve_idle(WAIT, |v| v.requests() == 1).unwrap();
+    assert!(vmm.serve_until(WAIT, |v| v.requests() == 1).unwrap());
     assert_eq!(t.join().unwrap(), Err(libc::EFAULT));
 }
 
@@ -357,4 +357,104 @@ fn test_guest_memory_cpu_dirty_log_marks_written_pages_only_while_on() {
         ram.cpu_dirty_take().iter().all(|&w| w == 0),
         "logged after stop"
     );
+}
+
+#[test]
+fn test_vmm_wait_irq_serving_answers_dma_before_the_interrupt_and_consumes_it() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    vmm.set_fdless(FdlessMemory::with_pattern(FDLESS, 0x2000));
+    vmm.dma_map_fdless(FDLESS, 0x2000).unwrap();
+    vmm.enable_device().unwrap();
+    let msi = vmm.enable_msi().unwrap();
+    // A worker that interrupts only once its DMA_READ has been answered.
+    let dma = server.dma().handle();
+    let irq = server.device().device().irq.clone().expect("attached");
+    let worker = std::thread::spawn(move || {
+        let mut buf = [0u8; 16];
+        let r = dma.read(FDLESS, &mut buf);
+        irq.trigger(0);
+        r.map_err(|e| e.errno())
+    });
+    assert!(vmm.wait_irq_serving(&msi, WAIT).unwrap(), "no MSI");
+    assert_eq!(worker.join().unwrap(), Ok(()));
+    assert_eq!(vmm.requests(), 1);
+    // Consumed: the next wait sees only a later interrupt.
+    assert!(!vmm
+        .wait_irq_serving(&msi, Duration::from_millis(30))
+        .unwrap());
+}
+
+#[test]
+fn test_vmm_serve_until_condition_true_without_a_message_is_seen_at_once() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let f = flag.clone();
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        f.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    let start = std::time::Instant::now();
+    let held = vmm
+        .serve_until(Duration::from_secs(10), |_| {
+            flag.load(std::sync::atomic::Ordering::SeqCst)
+        })
+        .unwrap();
+    assert!(held);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    setter.join().unwrap();
+    // A condition that never holds: false at the timeout, not Ok(()) as if it had.
+    assert!(!vmm
+        .serve_until(Duration::from_millis(20), |_| false)
+        .unwrap());
+}
+
+/// Panics on every BAR write: a device bug.
+struct Panicky;
+
+impl crate::pci::PciDevice for Panicky {
+    fn config(&self) -> crate::pci::PciConfig {
+        let bar = crate::pci::BarSpec {
+            index: 0,
+            size: 16,
+            kind: crate::pci::BarKind::Mmio32,
+            prefetchable: false,
+            shared: None,
+        };
+        crate::pci::PciConfig {
+            bars: vec![bar],
+            ..Default::default()
+        }
+    }
+    fn bar_read(&mut self, _bar: usize, _offset: u64, data: &mut [u8]) {
+        data.fill(0);
+    }
+    fn bar_write(&mut self, _bar: usize, offset: u64, _data: &[u8]) {
+        panic!("planted bug at {offset:#x}");
+    }
+}
+
+#[test]
+fn test_test_server_device_panic_is_reported_with_the_test_name() {
+    let server = TestServer::start_pci(Panicky).unwrap();
+    let mut vmm = server.connect().unwrap();
+    let err = vmm.write32(0, 4, 1).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let panics = server.device_panics();
+    assert_eq!(panics.len(), 1, "{panics:?}");
+    assert!(
+        panics[0].contains("test_test_server_device_panic_is_reported_with_the_test_name")
+            && panics[0].contains("region_write")
+            && panics[0].contains("planted bug at 0x4"),
+        "{}",
+        panics[0]
+    );
+    // The server serves on: a new client works.
+    let mut vmm = server.connect().unwrap();
+    assert_eq!(vmm.read32(0, 0).unwrap(), 0);
 }

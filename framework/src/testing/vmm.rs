@@ -15,7 +15,7 @@
 //! QEMU 10.x it can instead hold them until the reply has arrived ([`Vmm::qemu_like`]):
 //! QEMU serves server requests in a main-loop bottom half, which cannot run while the
 //! thread waiting for a reply holds the loop; between calls it answers as they come
-//! ([`Vmm::serve_idle`]). [`Vmm::hold_request`] leaves one unanswered on purpose.
+//! ([`Vmm::serve_until`], [`Vmm::wait_irq_serving`]). [`Vmm::hold_request`] leaves one unanswered on purpose.
 //!
 //! Every method returns `io::Result`; an error reply from the server is an error carrying
 //! its errno ([`io::Error::raw_os_error`]), except for [`Vmm::call`], which returns the
@@ -43,6 +43,9 @@ use super::access::DeviceAccess;
 use super::fdless::{Answer, DmaRequest, FdlessMemory};
 use super::guest_memory::GuestMemory;
 use super::raw_client::{Msg, RawClient, DEFAULT_CAPS};
+
+/// How often [`Vmm::serve_until`] re-checks its condition while no request arrives.
+pub const POLL: Duration = Duration::from_millis(1);
 
 /// How long [`Vmm::connect`] retries while the server is not listening yet.
 pub const CONNECT_RETRY: Duration = Duration::from_secs(5);
@@ -319,30 +322,63 @@ impl Vmm {
     }
 
     /// Idle main loop: answer requests as they arrive, for `d` or until `done` holds.
-    pub fn serve_idle(
+    /// Prefer [`Vmm::serve_until`], which says whether `done` held; this is it with the
+    /// answer dropped.
+    pub fn serve_idle(&mut self, d: Duration, done: impl FnMut(&Vmm) -> bool) -> io::Result<()> {
+        self.serve_until(d, done).map(drop)
+    }
+
+    /// Idle main loop, as QEMU's between vCPU exits: answer the device's requests as they
+    /// arrive until `cond` holds or `timeout` passes; whether `cond` held. `cond` is
+    /// checked first, then at least every [`POLL`] and after every request answered, so a
+    /// condition that comes true without a message (a register a worker set, guest
+    /// memory, a counter) is seen within a millisecond. A request held by
+    /// [`Vmm::qemu_like`] is answered first.
+    pub fn serve_until(
         &mut self,
-        d: Duration,
-        mut done: impl FnMut(&Vmm) -> bool,
-    ) -> io::Result<()> {
-        let deadline = Instant::now() + d;
-        while !done(self) {
+        timeout: Duration,
+        mut cond: impl FnMut(&Vmm) -> bool,
+    ) -> io::Result<bool> {
+        self.answer_deferred()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if cond(self) {
+                return Ok(true);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !wait_readable(self.client.stream(), left)? {
-                return Ok(());
+            if left.is_zero() {
+                return Ok(false);
             }
-            let m = self.client.try_recv()?;
-            if !m.is_request() {
-                return Err(invalid(format!(
-                    "unexpected reply to {} while idle",
-                    m.header.msg_id
-                )));
-            }
-            let defer = std::mem::replace(&mut self.defer, false);
-            let r = self.take_request(m);
-            self.defer = defer;
-            r?;
+            self.serve_one(left.min(POLL))?;
         }
-        Ok(())
+    }
+
+    /// Wait for the interrupt `irq` (an eventfd from [`DeviceAccess::enable_msi`],
+    /// [`DeviceAccess::enable_msix`] or [`DeviceAccess::enable_intx`]) for up to
+    /// `timeout`, answering the device's DMA requests meanwhile (a device whose worker
+    /// reads fd-less memory before it interrupts needs them answered); whether it fired.
+    /// The eventfd's count is consumed, so the next wait sees only later interrupts.
+    pub fn wait_irq_serving(&mut self, irq: &EventFd, timeout: Duration) -> io::Result<bool> {
+        self.serve_until(timeout, |_| irq.read().is_ok())
+    }
+
+    /// Wait up to `d` for one message from the server, which must be a request, and answer
+    /// it; nothing if none came.
+    fn serve_one(&mut self, d: Duration) -> io::Result<()> {
+        if !wait_readable(self.client.stream(), d)? {
+            return Ok(());
+        }
+        let m = self.client.try_recv()?;
+        if !m.is_request() {
+            return Err(invalid(format!(
+                "unexpected reply to {} while idle",
+                m.header.msg_id
+            )));
+        }
+        let defer = std::mem::replace(&mut self.defer, false);
+        let r = self.take_request(m);
+        self.defer = defer;
+        r
     }
 
     /// DMA_MAP `[iova, iova + size)` read/write, backed by `fd` at `offset`.
