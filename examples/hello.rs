@@ -98,6 +98,7 @@ impl PciDevice for Hello {
             intx: true,
             msi_vectors: 1,
             msix: None,
+            registers: Vec::new(),
         }
     }
 

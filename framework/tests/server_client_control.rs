@@ -54,6 +54,7 @@ impl PciDevice for Bare {
             intx: true,
             msi_vectors: 0,
             msix: None,
+            registers: Vec::new(),
         }
     }
     fn bar_read(&mut self, _bar: usize, _offset: u64, data: &mut [u8]) {

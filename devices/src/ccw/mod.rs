@@ -302,6 +302,7 @@ impl PciDevice for Ccw {
             intx: true,
             msi_vectors: 1,
             msix: None,
+            registers: Vec::new(),
         }
     }
 

@@ -86,7 +86,9 @@ use std::time::Duration;
 
 use umdev::dma::{DmaHandle, PAGE_SHIFT};
 use umdev::irq::Interrupts;
-use umdev::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, SharedMemory};
+use umdev::pci::{
+    BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, RegisterRange, SharedMemory,
+};
 
 pub use commands::Command;
 pub use engine::{EngineStats, RenderEngine};
@@ -278,6 +280,19 @@ impl PciDevice for Gpu {
                 pba_bar: BAR_REGS,
                 pba_offset: MSIX_PBA_OFFSET,
             }),
+            // The register page and the GTT: the MSI-X table and PBA must stay clear of them.
+            registers: vec![
+                RegisterRange {
+                    bar: BAR_REGS,
+                    offset: 0,
+                    size: 0x1000,
+                },
+                RegisterRange {
+                    bar: BAR_REGS,
+                    offset: GTT_BASE,
+                    size: u64::from(GTT_ENTRIES) * 8,
+                },
+            ],
         }
     }
 

@@ -113,19 +113,79 @@ pub struct BarSpec {
     pub shared: Option<Arc<SharedMemory>>,
 }
 
-/// MSI-X placement.
+/// MSI-X placement: how many vectors, and where in the device's BARs the framework puts
+/// the vector table (16 bytes per vector) and the pending-bit array (PBA: one bit per
+/// vector, in whole 8-byte qwords).
+///
+/// The rules, all checked when the [`PciAdapter`] is built (a violation is an
+/// `InvalidArgument` error from [`PciAdapter::new`], never silence):
+/// - `vectors` is 1..=2048;
+/// - the table and the PBA lie in declared **memory** BARs that are **not** backed by
+///   shared memory (accesses to them must trap to be emulated), entirely inside the BAR;
+/// - their offsets are **8-byte aligned** (the PCI spec's BIR encoding) and below 4 GiB;
+///   the table and the PBA do not overlap;
+/// - they may share a BAR with the device's registers, but must not overlap a register
+///   range the device declares in [`PciConfig::registers`]. Declare your register ranges:
+///   without them the framework cannot tell that a table at offset 0 sits on top of your
+///   registers.
+///
+/// Accesses to the table and PBA ranges never reach [`PciDevice::bar_read`] /
+/// [`PciDevice::bar_write`]: the framework answers them (an access that straddles a range
+/// edge is split, and the device sees only its part). Put them in a page of their own (a
+/// 4 KiB-aligned offset, as real devices do) so that a VMM that maps BAR pages can map
+/// the rest of the BAR around them.
+///
+/// ```
+/// use umdev::pci::{BarKind, BarSpec, MsixSpec, PciAdapter, PciConfig, PciDevice, RegisterRange};
+///
+/// struct Dev(MsixSpec);
+/// impl PciDevice for Dev {
+///     fn config(&self) -> PciConfig {
+///         let bar0 = BarSpec { index: 0, size: 0x4000, kind: BarKind::Mmio32, prefetchable: false, shared: None };
+///         PciConfig {
+///             bars: vec![bar0],
+///             registers: vec![RegisterRange { bar: 0, offset: 0, size: 0x1000 }],
+///             msix: Some(self.0),
+///             ..Default::default()
+///         }
+///     }
+///     fn bar_read(&mut self, _bar: usize, _offset: u64, data: &mut [u8]) { data.fill(0) }
+///     fn bar_write(&mut self, _bar: usize, _offset: u64, _data: &[u8]) {}
+/// }
+///
+/// // Registers in the first page, table and PBA in pages of their own: accepted.
+/// let good = MsixSpec { vectors: 4, table_bar: 0, table_offset: 0x2000, pba_bar: 0, pba_offset: 0x3000 };
+/// assert!(PciAdapter::new(Dev(good)).is_ok());
+/// // The table on top of the registers: an error, not silence.
+/// let bad = MsixSpec { table_offset: 0, ..good };
+/// let err = PciAdapter::new(Dev(bad)).err().unwrap();
+/// assert!(err.to_string().contains("overlaps the device's registers"), "{err}");
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct MsixSpec {
     /// Number of vectors (1..=2048).
     pub vectors: u16,
     /// BAR holding the table; the table and PBA are emulated by the framework.
     pub table_bar: usize,
-    /// Offset of the table in that BAR.
+    /// Offset of the table in that BAR (8-byte aligned; a page of its own is best).
     pub table_offset: u64,
     /// BAR holding the PBA.
     pub pba_bar: usize,
-    /// Offset of the PBA in that BAR.
+    /// Offset of the PBA in that BAR (8-byte aligned).
     pub pba_offset: u64,
+}
+
+/// A range of a BAR where the device has registers, declared in [`PciConfig::registers`]
+/// so that the framework can refuse an MSI-X table or PBA placed on top of it. It changes
+/// nothing else: accesses anywhere in a trapped BAR still reach the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegisterRange {
+    /// BAR slot.
+    pub bar: usize,
+    /// First byte of the registers.
+    pub offset: u64,
+    /// Bytes (not 0).
+    pub size: u64,
 }
 
 /// Everything the framework needs to build config space for a device.
@@ -139,8 +199,11 @@ pub struct PciConfig {
     pub intx: bool,
     /// Number of MSI vectors (0 = no MSI capability; otherwise a power of two ≤ 32).
     pub msi_vectors: u16,
-    /// MSI-X capability, if any.
+    /// MSI-X capability, if any (placement rules: [`MsixSpec`]).
     pub msix: Option<MsixSpec>,
+    /// Where the device has registers (optional; validated: inside a declared trapped BAR,
+    /// and not under the MSI-X table or PBA).
+    pub registers: Vec<RegisterRange>,
 }
 
 /// What a PCI device implements: its BARs and lifecycle. Config space is the framework's.

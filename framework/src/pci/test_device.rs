@@ -97,6 +97,7 @@ pub(crate) fn full_config() -> PciConfig {
             pba_bar: 0,
             pba_offset: 0x3000,
         }),
+        registers: Vec::new(),
     }
 }
 

@@ -137,6 +137,45 @@ pub(crate) fn validate(config: &PciConfig) -> Result<(), DeviceError> {
             return Err(bad("MSI-X table and PBA overlap".into()));
         }
     }
+    check_registers(config)
+}
+
+/// Declared register ranges lie inside declared trapped BARs and under no MSI-X range.
+fn check_registers(config: &PciConfig) -> Result<(), DeviceError> {
+    for r in &config.registers {
+        let Some(bar) = config.bars.iter().find(|b| b.index == r.bar) else {
+            return Err(bad(format!(
+                "registers at BAR{} {:#x}: that BAR is not declared",
+                r.bar, r.offset
+            )));
+        };
+        if bar.shared.is_some() {
+            return Err(bad(format!(
+                "registers in shared-memory BAR{}: its accesses never reach the device",
+                r.bar
+            )));
+        }
+        let end = r.offset.checked_add(r.size).filter(|&e| e <= bar.size);
+        let Some(end) = end.filter(|_| r.size > 0) else {
+            return Err(bad(format!(
+                "registers {:#x}+{:#x} do not fit BAR{} of {:#x} bytes",
+                r.offset, r.size, r.bar, bar.size
+            )));
+        };
+        let Some(m) = &config.msix else { continue };
+        // In range: the MSI-X checks above passed.
+        let table = (m.table_bar, m.table_offset, table_size(m.vectors), "table");
+        let pba = (m.pba_bar, m.pba_offset, pba_size(m.vectors), "PBA");
+        for (slot, off, len, what) in [table, pba] {
+            if slot == r.bar && off < end && r.offset < off + len {
+                return Err(bad(format!(
+                    "MSI-X {what} {off:#x}+{len:#x} in BAR{slot} overlaps the device's registers \
+                     {:#x}+{:#x}; move it to a page of its own",
+                    r.offset, r.size
+                )));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -237,6 +276,40 @@ mod tests {
             pba_offset: 0,
         });
         assert!(validate(&c).is_err(), "table in an undeclared BAR");
+    }
+
+    #[test]
+    fn test_validate_msix_over_declared_registers_is_rejected() {
+        let regs = |offset, size| crate::pci::RegisterRange {
+            bar: 0,
+            offset,
+            size,
+        };
+        let with = |m, r: Vec<crate::pci::RegisterRange>| {
+            let mut c = config(vec![bar(0, 0x4000, BarKind::Mmio32)]);
+            c.msix = m;
+            c.registers = r;
+            validate(&c)
+        };
+        // Table in the registers' page, PBA in the registers' last bytes: both refused.
+        let e = with(msix(4, 0, 0x3000), vec![regs(0, 0x100)]).unwrap_err();
+        assert!(e.to_string().contains("MSI-X table"), "{e}");
+        let e = with(msix(4, 0x2000, 0xff8), vec![regs(0, 0x1000)]).unwrap_err();
+        assert!(e.to_string().contains("MSI-X PBA"), "{e}");
+        // Adjacent is fine; without declared registers nothing can be checked.
+        with(msix(4, 0x1000, 0x1040), vec![regs(0, 0x1000)]).unwrap();
+        with(msix(4, 0, 0x3000), vec![]).unwrap();
+        // Registers of their own must fit a declared, trapped BAR.
+        assert!(with(None, vec![regs(0x3ff0, 0x20)]).is_err());
+        assert!(with(None, vec![regs(0, 0)]).is_err());
+        assert!(with(None, vec![regs(u64::MAX, 2)]).is_err());
+        let mut c = config(vec![bar(0, 0x4000, BarKind::Mmio32)]);
+        c.registers = vec![crate::pci::RegisterRange {
+            bar: 1,
+            offset: 0,
+            size: 4,
+        }];
+        assert!(validate(&c).is_err(), "undeclared BAR");
     }
 
     #[test]

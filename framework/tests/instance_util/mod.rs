@@ -82,6 +82,7 @@ impl PciDevice for Probe {
             intx: true,
             msi_vectors: 1,
             msix: None,
+            registers: Vec::new(),
         }
     }
 

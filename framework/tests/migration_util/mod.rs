@@ -354,6 +354,7 @@ impl PciDevice for Counter {
                 pba_bar: 0,
                 pba_offset: 0xc00,
             }),
+            registers: Vec::new(),
         }
     }
 

@@ -250,6 +250,7 @@ mod tests {
                     pba_bar: 0,
                     pba_offset: 0x1800,
                 }),
+                registers: Vec::new(),
             }
         }
         fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
