@@ -44,7 +44,7 @@
 //!
 //! # Removal with a client attached
 //! As VFIO does when a device is unbound while a user holds it: signal the device-request
-//! IRQ ([`Device::request_release`](crate::device::Device::request_release); QEMU answers
+//! IRQ ([`Device::request_release`]; QEMU answers
 //! by hot-unplugging the device), wait up to [`RegistryConfig::release_timeout`] for the
 //! client to leave, then refuse with [`InstanceError::Busy`] (the instance stays, served)
 //! unless forced. A forced removal disconnects the client; the server's teardown then runs
@@ -514,9 +514,9 @@ impl Registry {
     /// migrated instance (a migration stream as [`Registry::save_state`] writes it, or as a
     /// VMM reads it with MIG_DATA_READ) loaded into its device before its socket exists: no
     /// client ever sees the device without the state. The device goes through the arcs a
-    /// VMM would drive: RUNNING → STOP ([`Migrate::stop`](crate::migration::Migrate::stop)),
+    /// VMM would drive: RUNNING → STOP ([`Migrate::stop`]),
     /// RESUMING (the stream's `Precopy` frames applied, the stream checked whole), STOP
-    /// ([`Migrate::load`](crate::migration::Migrate::load)), RUNNING. A device without
+    /// ([`Migrate::load`]), RUNNING. A device without
     /// migration is [`InstanceError::NotMigratable`]; a stream the device refuses (cut
     /// short, corrupted, another format or version, state of another device) is
     /// [`InstanceError::Migration`] saying why. Either way the instance is not created and
@@ -631,7 +631,7 @@ impl Registry {
     /// The whole state of an instance that no client holds, as the migration stream a VMM
     /// would read in STOP_COPY (`Start`, `State`, `End` frames; for a PCI device the
     /// framework's PCI section and the device's own): the device is locked (as for a
-    /// client's message), stopped ([`Migrate::stop`](crate::migration::Migrate::stop)),
+    /// client's message), stopped ([`Migrate::stop`]),
     /// saved and resumed, so it serves on unchanged. [`Registry::create_with_state`] loads
     /// the stream into a new instance, here or in another registry.
     ///

@@ -3,7 +3,7 @@
 //!
 //! **Arcs** ([`super::arcs`] has the table): a SET walks the shortest legal path one arc at a
 //! time, the way the kernel's drivers loop on `vfio_mig_get_next_state`; each arc is one
-//! step of [`Machine::step`]:
+//! step of `Machine::step`:
 //!
 //! - RUNNING → STOP, PRE_COPY → STOP_COPY: [`Migrate::stop`], preceded by
 //!   [`Quiesce::Stopping`] (the server cancels and refuses server→client requests from then

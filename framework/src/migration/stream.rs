@@ -4,7 +4,7 @@
 //! The stream is a sequence of frames. A frame is a head — postcard of
 //! `(kind, payload length, CRC-32 of kind and payload)` — followed by the payload:
 //!
-//! 1. one `Start` frame whose payload is [`encode_state`](super::encode_state) of
+//! 1. one `Start` frame whose payload is [`encode_state`] of
 //!    [`STREAM_FORMAT`] at [`STREAM_VERSION`] (so a stream of another format or a newer
 //!    version is refused by its first frame, before anything else is read);
 //! 2. any number of `Precopy` frames: the device's [`Migrate::precopy`] chunks, in order;
