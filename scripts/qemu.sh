@@ -4,7 +4,11 @@
 #
 #   scripts/qemu.sh qemu     print the path of a usable qemu-system-x86_64 (building it if needed)
 #   scripts/qemu.sh guest    print the directory holding vmlinuz, busybox and the kernel modules
-#   scripts/qemu.sh env      both, as shell assignments (QEMU_BIN=..., UMDEV_GUEST_DIR=...)
+#   scripts/qemu.sh env      both, as shell assignments (QEMU_BIN=..., UMDEV_GUEST_DIR=...),
+#                            and QEMU_FIRMWARE='-L dir ...' (see firmware)
+#   scripts/qemu.sh firmware print the -L firmware flags a QEMU built here needs on its command
+#                            line (it is built without its own BIOS blobs and reads Debian's
+#                            seabios, ipxe-qemu and qemu-system-data); nothing is built
 #
 # Lookup order for QEMU: $QEMU_BIN, then qemu-system-x86_64 on PATH, then the cache
 # ($UMDEV_CACHE_DIR, default ~/.cache/umdev). A candidate is used only if it is >= 10.1 and
@@ -194,6 +198,19 @@ ensure_firmware() {
     apt_install seabios ipxe-qemu qemu-system-data
 }
 
+# Where those packages put the firmware; the same list as FIRMWARE_DIRS in vmtest/src/qemu.rs.
+FIRMWARE_DIRS=(/usr/share/seabios /usr/share/qemu /usr/lib/ipxe/qemu)
+
+# The -L flags for the firmware directories that exist, on one line.
+firmware_flags() {
+    local d flags=()
+    for d in "${FIRMWARE_DIRS[@]}"; do
+        [ -d "$d" ] && flags+=(-L "$d")
+    done
+    [ "${#flags[@]}" -gt 0 ] || say "no firmware directory found (${FIRMWARE_DIRS[*]}): install seabios ipxe-qemu qemu-system-data"
+    printf '%s\n' "${flags[*]}"
+}
+
 find_qemu() {
     if [ -n "${QEMU_BIN:-}" ]; then
         usable_qemu "$QEMU_BIN" && { printf '%s\n' "$QEMU_BIN"; return; }
@@ -275,9 +292,10 @@ case "${1:-}" in
     guest) find_guest ;;
     env)
         q=$(find_qemu); g=$(find_guest)
-        printf 'QEMU_BIN=%q\nUMDEV_GUEST_DIR=%q\n' "$q" "$g" ;;
+        printf 'QEMU_BIN=%q\nUMDEV_GUEST_DIR=%q\nQEMU_FIRMWARE=%q\n' "$q" "$g" "$(firmware_flags)" ;;
+    firmware) firmware_flags ;;
     -h|--help|"")
-        sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'
         [ -n "${1:-}" ] ;;
     *) die "unknown command '$1' (try --help)" ;;
 esac
