@@ -244,6 +244,9 @@ impl Connection {
         if n.twin_socket {
             let (ours, theirs) =
                 UnixStream::pair().map_err(|e| ServerError::io("creating the twin socket", e))?;
+            let t = self.config.send_timeout;
+            ours.set_write_timeout((!t.is_zero()).then_some(t))
+                .map_err(|e| ServerError::io("setting the twin socket's send timeout", e))?;
             let reader = ours
                 .try_clone()
                 .map_err(|e| ServerError::io("cloning the twin socket", e))?;

@@ -35,6 +35,7 @@ pub mod remote_dma;
 mod running;
 pub mod socket_io;
 
+pub use channel::{BacklogLimits, BacklogUsage};
 pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
 pub use running::{RunningServer, Server, ShutdownHandle};

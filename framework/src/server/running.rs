@@ -370,7 +370,9 @@ fn accept_loop(
         }
         if let Err(e) = stream.set_nonblocking(false).and_then(|()| {
             let t = config.negotiation_timeout;
-            stream.set_read_timeout((!t.is_zero()).then_some(t))
+            stream.set_read_timeout((!t.is_zero()).then_some(t))?;
+            let t = config.send_timeout;
+            stream.set_write_timeout((!t.is_zero()).then_some(t))
         }) {
             warn!(error = %e, "cannot configure the client socket");
             continue;
@@ -381,7 +383,7 @@ fn accept_loop(
             config.offer().max_data_xfer_size,
             config.remote_dma_timeout,
         ) {
-            Ok(c) => Arc::new(c),
+            Ok(c) => Arc::new(c.with_limits(config.backlog, config.offer().max_msg_fds)),
             Err(e) => {
                 warn!(error = %e, "cannot set up the client socket");
                 continue;
