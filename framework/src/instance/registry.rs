@@ -179,6 +179,8 @@ impl Instance {
             socket: self.socket.clone(),
             client_attached: s.server.client_attached(),
             dma: s.dma.stats(),
+            map_share: s.dma.map_share(),
+            backlog: s.server.backlog(),
         })
     }
 }
@@ -589,6 +591,8 @@ impl Registry {
             socket: instance.socket.clone(),
             client_attached: served.server.client_attached(),
             dma: served.dma.stats(),
+            map_share: served.dma.map_share(),
+            backlog: served.server.backlog(),
         };
         *instance.served_mut() = Some(served);
         reservation.armed = false;

@@ -141,6 +141,20 @@ impl RunningServer {
         *self.shutdown.state.attached()
     }
 
+    /// What the attached client's connection holds in its command backlog now (zero
+    /// without a client; see `server::channel`).
+    pub fn backlog(&self) -> super::BacklogUsage {
+        self.shutdown
+            .state
+            .active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(Weak::upgrade)
+            .map(|c| c.backlog())
+            .unwrap_or_default()
+    }
+
     /// Wait up to `timeout` for the attached client (if any) to be gone, teardown done;
     /// true if no client is attached on return.
     pub fn wait_client_gone(&self, timeout: Duration) -> bool {
