@@ -10,7 +10,9 @@
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
 //! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
-//! `sigbus` (surviving a client that shrinks a mapped file).
+//! `sigbus` (surviving a client that shrinks a mapped file), `budget` (the process-wide
+//! budget of fd-backed maps: VMAs and SIGBUS slots shared by every space of the process,
+//! a guarantee and a cap per space; see [`MapPool`]).
 //!
 //! # Which mappings an unmap removes
 //! [`DmaSpace::unmap`] follows the kernel's type1v2 (`vfio_dma_do_unmap` in
@@ -346,8 +348,9 @@ impl DmaSpace {
         }
     }
 
-    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps; iova, size and offset must be
-    /// 4 KiB aligned and not overflow. An fd-backed mapping is mmap'd `MAP_SHARED` with the
+    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps, ENOMEM ([`DmaError::MapBudget`])
+    /// for an fd-backed map beyond this space's share of the process's map budget (checked
+    /// before the mmap); iova, size and offset must be 4 KiB aligned and not overflow. An fd-backed mapping is mmap'd `MAP_SHARED` with the
     /// mapping's protection (the fd is closed afterwards; the mapping keeps the memory).
     pub fn map(&self, m: DmaMapping) -> Result<(), DmaError> {
         self.map_impl(m)
