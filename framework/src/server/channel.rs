@@ -88,6 +88,9 @@ pub struct Incoming {
     pub payload: Vec<u8>,
     /// Fds that came with it.
     pub fds: Vec<OwnedFd>,
+    /// Fds that came with it beyond what its command can use: closed at receive, counted
+    /// here so the command is refused for its fd count as if they were still attached.
+    pub fds_closed: usize,
 }
 
 /// What one read from the socket produced.
@@ -124,7 +127,8 @@ fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
 }
 
 /// [`read_one`] with the client's `max_msg_fds`: the fds of a message that carries more
-/// than its command can use are closed at once and the message is [`ReadResult::Invalid`].
+/// than its command can use are closed at once ([`Incoming::fds_closed`] counts them, so
+/// the command is refused for its fd count when it is handled).
 pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) -> ReadResult {
     let mut raw = match recv_header(stream) {
         Ok(Some(raw)) => raw,
@@ -135,11 +139,10 @@ pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) 
         }
     };
     let header = header_of(&raw);
-    let usable = usable_fds(&header, max_msg_fds);
-    let too_many_fds = raw.fds_truncated || raw.fds.len() > usable;
-    let got_fds = raw.fds.len() + usize::from(raw.fds_truncated);
-    if too_many_fds {
+    let mut fds_closed = 0;
+    if raw.fds.len() > usable_fds(&header, max_msg_fds) {
         // Closed now, not when the (possibly backlogged) message is handled.
+        fds_closed = raw.fds.len();
         raw.fds.clear();
     }
     let (ty, len) = match header.validate(max_message) {
@@ -156,19 +159,13 @@ pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) 
     if recv_payload(stream, &mut payload).is_err() {
         return ReadResult::Eof;
     }
-    if too_many_fds {
+    if raw.fds_truncated {
         return ReadResult::Invalid(
             header,
             ProtocolError::WrongFdCount {
                 what: "message",
-                expected: if usable == 0 {
-                    "none for this message"
-                } else if usable == 1 {
-                    "at most 1 for DMA_MAP"
-                } else {
-                    "at most max_msg_fds"
-                },
-                got: got_fds,
+                expected: "at most max_msg_fds",
+                got: fds_closed.max(raw.fds.len()) + 1,
             },
         );
     }
@@ -177,6 +174,7 @@ pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) 
             header,
             payload,
             fds: raw.fds,
+            fds_closed,
         },
         ty,
     )
@@ -1301,7 +1299,7 @@ mod tests {
     }
 
     #[test]
-    fn test_backlog_fds_beyond_command_use_closed_at_receive_error_reply_kept() {
+    fn test_backlog_fds_beyond_command_use_closed_at_receive_still_counted() {
         let (chan, peer) = limited(400, BacklogLimits::default());
         let t = unanswered(&chan, &peer);
         let (r, w) = std::io::pipe().unwrap();
@@ -1317,21 +1315,13 @@ mod tests {
         // Every copy of the write end is closed: the pipe reads EOF while both are queued.
         let mut buf = [0u8; 1];
         assert_eq!(std::io::Read::read(&mut &r, &mut buf).unwrap(), 0);
-        // Both still get their error reply, in order.
-        drop(peer_reader_errors(&chan, peer, &[5, 6]));
-    }
-
-    /// Let the connection thread handle the backlog; the peer sees error replies to `ids`.
-    fn peer_reader_errors(chan: &Arc<Channel>, peer: UnixStream, ids: &[u16]) -> UnixStream {
-        peer.shutdown(std::net::Shutdown::Write).unwrap();
-        assert!(chan.next_command().is_none());
-        for &id in ids {
-            let ReadResult::Message(m, MessageType::Reply) = read_one(&peer, 1 << 20) else {
-                panic!("expected an error reply to {id}");
-            };
-            assert_eq!((m.header.msg_id, m.header.error as i32), (id, libc::EINVAL));
+        // Both are handled in order, refused for the fds they carried (the connection's
+        // decode counts `fds_closed`).
+        drop(peer);
+        for id in [5, 6] {
+            let m = chan.next_command().expect("the backlogged command");
+            assert_eq!((m.header.msg_id, m.fds.len(), m.fds_closed), (id, 0, 2));
         }
-        peer
     }
 
     #[test]
