@@ -150,6 +150,14 @@ fn test_daemon_create_list_remove_instance_serves_and_gives_share_back() {
     assert_eq!(gpu["type"], "gpu-16m");
     assert_eq!(gpu["client_attached"], true);
     assert_eq!(gpu["defined"], false);
+    // Its use of what the daemon's process shares.
+    let budget = &gpu["budget"];
+    let fd_maps = budget["fd_maps"].as_u64().unwrap();
+    assert!(Some(fd_maps) <= gpu["dma"]["maps"].as_u64(), "{gpu}");
+    assert!(budget["fd_maps_cap"].as_u64() > budget["fd_maps_guarantee"].as_u64());
+    assert_eq!(budget["vmas"].as_u64(), Some(2 * fd_maps), "{gpu}");
+    assert!(budget["fd_maps_guarantee"].as_u64().unwrap() > 0, "{gpu}");
+    assert_eq!(budget["backlog_fds"], 0, "{gpu}");
     let table = d.ok(&["list"]);
     let row = table.lines().find(|l| l.starts_with(&uuid)).unwrap();
     assert!(

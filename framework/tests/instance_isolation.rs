@@ -246,3 +246,45 @@ fn test_isolation_stuck_device_other_instance_serves_registry_answers() {
     assert_eq!(available(&t.reg, "p", "probe"), 7);
     assert_serves(&mut b, 2);
 }
+
+#[test]
+fn test_isolation_map_flood_one_instance_enomem_other_keeps_guarantee_serves() {
+    // One pool of 100 fd-backed maps for a registry of at most 2 instances: each is
+    // guaranteed 50 whatever the other's client does.
+    let t = two(|c| {
+        c.max_instances = 2;
+        c.dma.map_pool = Some(umdev::dma::MapPool::with_capacity(100));
+    });
+    assert_eq!(t.a.map_share, (50, 100));
+    assert_eq!(t.b.map_share, (50, 100));
+    let mut attacker = RawClient::new_default(&t.a.socket);
+    let mem = umdev::testing::memfd(120 * 4096).unwrap();
+    let mut mapped = 0u64;
+    let errno = loop {
+        let p = umdev::protocol::dma_map::DmaMapRequest {
+            flags: 3,
+            offset: mapped * 4096,
+            iova: (1 << 32) + mapped * 4096,
+            size: 4096,
+        }
+        .encode();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&mem);
+        match attacker
+            .call(Command::DmaMap as u16, 0, &p, &[fd])
+            .header
+            .error
+        {
+            0 => mapped += 1,
+            e => break e as i32,
+        }
+        assert!(mapped <= 100);
+    };
+    assert_eq!((mapped, errno), (50, libc::ENOMEM));
+    let listed = t.reg.instances();
+    let a = listed.iter().find(|i| i.uuid == t.a.uuid).unwrap();
+    assert_eq!(a.dma.fd_maps, 50);
+    // The other instance maps its guest's RAM and serves.
+    let mut vmm = guest(&t.b.socket);
+    assert_serves(&mut vmm, 2);
+    drop(t.parent);
+}

@@ -342,6 +342,42 @@ pub struct InstanceRow {
     pub autostart: bool,
     /// Its DMA counters.
     pub dma: DmaRow,
+    /// What it holds of what the daemon's process shares (absent from older daemons).
+    #[serde(default)]
+    pub budget: BudgetRow,
+}
+
+/// An instance's use of the process's shared budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetRow {
+    /// Fd-backed DMA maps held (each one VMA, two counted, and one SIGBUS slot).
+    pub fd_maps: u64,
+    /// VMAs those maps are counted as.
+    pub vmas: u64,
+    /// Fd-backed maps guaranteed to it in the process's budget.
+    pub fd_maps_guarantee: u64,
+    /// Most fd-backed maps it may hold.
+    pub fd_maps_cap: u64,
+    /// Commands its client's connection holds in the backlog.
+    pub backlog_messages: u64,
+    /// Bytes of those commands.
+    pub backlog_bytes: u64,
+    /// Fds those commands hold.
+    pub backlog_fds: u64,
+}
+
+impl From<&umdev::instance::InstanceInfo> for BudgetRow {
+    fn from(i: &umdev::instance::InstanceInfo) -> BudgetRow {
+        BudgetRow {
+            fd_maps: i.dma.fd_maps,
+            vmas: i.dma.fd_maps * umdev::dma::VMAS_PER_MAP,
+            fd_maps_guarantee: i.map_share.0,
+            fd_maps_cap: i.map_share.1,
+            backlog_messages: i.backlog.messages as u64,
+            backlog_bytes: i.backlog.bytes as u64,
+            backlog_fds: i.backlog.fds as u64,
+        }
+    }
 }
 
 /// Reply to `list`.

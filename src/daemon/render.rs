@@ -257,6 +257,7 @@ mod tests {
             defined: false,
             autostart: false,
             dma: DmaRow::default(),
+            budget: Default::default(),
         };
         let text = started(&StartedReply {
             instance: row.clone(),

@@ -165,6 +165,7 @@ fn bad_uuid(uuid: &str) -> ControlError {
 fn instance_row(i: InstanceInfo, defs: &Defs) -> InstanceRow {
     let def = defs.defined.get(&i.uuid);
     InstanceRow {
+        budget: (&i).into(),
         defined: def.is_some(),
         autostart: def.is_some_and(|d| d.autostart),
         uuid: i.uuid,

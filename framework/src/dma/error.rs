@@ -2,6 +2,24 @@
 
 use super::Prot;
 
+/// The message of [`DmaError::MapBudget`].
+fn map_budget_message(r: &super::budget::BudgetRefusal) -> String {
+    if r.pool {
+        format!(
+            "DMA mapping refused by the process's memory-map budget: this server holds {} \
+             fd-backed maps and the budget its process's servers share has no room left \
+             for another (the others keep their guarantees)",
+            r.used
+        )
+    } else {
+        format!(
+            "DMA mapping refused by the process's memory-map budget: this server holds {} \
+             fd-backed maps, its cap",
+            r.used
+        )
+    }
+}
+
 /// Errors of the DMA layer. [`DmaError::errno`] is the one place that maps them to the errno
 /// the protocol layer replies with.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +110,12 @@ pub enum DmaError {
         /// The limit.
         limit: u32,
     },
+    /// The process's budget of fd-backed maps refused the map (ENOMEM, what mmap answers
+    /// when the process is out of map count), before anything was mapped: this space's cap,
+    /// or what the pool leaves it after the others' holdings and guarantees (see
+    /// `dma::budget`).
+    #[error("{}", map_budget_message(.0))]
+    MapBudget(super::budget::BudgetRefusal),
     /// mmap of the client's file descriptor failed (its errno, else EINVAL).
     #[error("mmap of the DMA mapping's file descriptor failed")]
     Mmap(#[source] std::io::Error),
@@ -165,6 +189,7 @@ impl DmaError {
             DmaError::NotPinned { .. } => libc::EINVAL,
             DmaError::PinCountOverflow { .. } => libc::EOVERFLOW,
             DmaError::TooManyMaps { .. } => libc::ENOSPC,
+            DmaError::MapBudget(_) => libc::ENOMEM,
             DmaError::Mmap(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
             DmaError::Residency { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DmaError::Remote { errno, .. } => *errno,

@@ -60,7 +60,13 @@ impl DmaSpace {
             return Err(DmaError::TooManyMaps { limit });
         }
         let mem = match fd {
-            Some(fd) => Some(map_fd(&fd, len, offset, size, prot)?),
+            Some(fd) => {
+                // The process's map budget, before anything is mapped (see `budget`).
+                let charge = self.maps_account.charge().map_err(DmaError::MapBudget)?;
+                let mut mem = map_fd(&fd, len, offset, size, prot)?;
+                mem.hold(charge);
+                Some(mem)
+            }
             None => None,
         };
         let region = Arc::new(Region::new(iova, size, prot, mem));

@@ -10,7 +10,9 @@
 //! `pin_table` (per-page refcounts in lazy chunks), `coalesce` (splitting arrays into runs),
 //! `pin` (the pin/unpin engine), `residency` (mlock/madvise), `naive` (the per-page reference),
 //! `rw` (`dma_rw`), `dirty` / `dirty_log` (dirty logging), `mapping` (map/unmap protocol),
-//! `sigbus` (surviving a client that shrinks a mapped file), `pinned_copy` (copies between
+//! `sigbus` (surviving a client that shrinks a mapped file), `budget` (the process-wide
+//! budget of fd-backed maps: VMAs and SIGBUS slots shared by every space of the process,
+//! a guarantee and a cap per space; see [`MapPool`]), `pinned_copy` (copies between
 //! pinned page arrays at any page offsets, and the [`PinnedPages`] guard that makes them safe).
 //!
 //! # Which mappings an unmap removes
@@ -60,6 +62,7 @@
 //! copies started while BME was set stay valid and finish. The check is one relaxed load; a
 //! call that raced with the change may see either value.
 
+mod budget;
 #[cfg(test)]
 mod bus_master_tests;
 mod coalesce;
@@ -86,6 +89,9 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use arc_swap::ArcSwap;
 use vm_memory::ByteValued;
 
+pub use budget::{
+    capacity_for, BudgetRefusal, MapPool, PoolUsage, DEFAULT_MAP_GUARANTEE, VMAS_PER_MAP,
+};
 pub use error::DmaError;
 pub use naive::NaiveDma;
 pub use pinned_copy::{copy_pinned, copy_segments, PinnedPages};
@@ -154,6 +160,15 @@ pub struct DmaConfig {
     pub lock_limit_bytes: Option<u64>,
     /// Maximum number of simultaneous DMA mappings (negotiated max_dma_maps).
     pub max_dma_maps: u32,
+    /// The budget of fd-backed maps this space draws from; `None` (default): the
+    /// process's ([`MapPool::process`], sized from `vm.max_map_count`; see `budget`).
+    pub map_pool: Option<Arc<MapPool>>,
+    /// Fd-backed maps reserved for this space in the pool (default
+    /// [`DEFAULT_MAP_GUARANTEE`]; the instance registry lowers it so that all its
+    /// instances fit).
+    pub map_guarantee: u64,
+    /// Most fd-backed maps this space may hold; `None` (default): the pool's capacity.
+    pub map_cap: Option<u64>,
 }
 
 impl Default for DmaConfig {
@@ -162,6 +177,9 @@ impl Default for DmaConfig {
             policy: PinPolicy::Translate,
             lock_limit_bytes: None,
             max_dma_maps: 65535,
+            map_pool: None,
+            map_guarantee: DEFAULT_MAP_GUARANTEE,
+            map_cap: None,
         }
     }
 }
@@ -205,6 +223,9 @@ pub trait RemoteDma: Send + Sync {
 pub struct DmaStats {
     /// Current number of mappings.
     pub maps: u64,
+    /// Fd-backed mappings held (each a VMA and a SIGBUS slot of the process, counted
+    /// against its map budget), including those kept as scratch after leaked pins.
+    pub fd_maps: u64,
     /// Distinct pages with pin refcount > 0.
     pub pinned_pages: u64,
     /// Pages currently locked (policy `Lock`).
@@ -261,6 +282,8 @@ pub struct DmaSpace {
     graveyard: Mutex<Vec<HostMem>>,
     /// Bus Master Enable: device DMA is refused while false (see module docs).
     bus_master: AtomicBool,
+    /// This space's account in the budget of fd-backed maps (see `budget`).
+    maps_account: Arc<budget::MapAccount>,
 }
 
 fn policy_to_u8(p: PinPolicy) -> u8 {
@@ -281,6 +304,9 @@ fn lock_limit_pages(bytes: Option<u64>) -> u64 {
 impl DmaSpace {
     /// A new, empty map table.
     pub fn new(config: DmaConfig) -> Arc<DmaSpace> {
+        let pool = config.map_pool.clone().unwrap_or_else(MapPool::process);
+        let cap = config.map_cap.unwrap_or(pool.capacity());
+        let maps_account = budget::MapAccount::join(pool, config.map_guarantee, cap);
         Arc::new(DmaSpace {
             table: ArcSwap::from_pointee(MapTable::default()),
             map_lock: Mutex::new(()),
@@ -296,7 +322,13 @@ impl DmaSpace {
             dirty_shift: AtomicU32::new(PAGE_SHIFT),
             graveyard: Mutex::new(Vec::new()),
             bus_master: AtomicBool::new(true),
+            maps_account,
         })
+    }
+
+    /// This space's share of its budget of fd-backed maps: (guarantee, cap), in maps.
+    pub fn map_share(&self) -> (u64, u64) {
+        (self.maps_account.guarantee(), self.maps_account.cap())
     }
 
     /// The handle devices keep.
@@ -322,8 +354,9 @@ impl DmaSpace {
         }
     }
 
-    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps; iova, size and offset must be
-    /// 4 KiB aligned and not overflow. An fd-backed mapping is mmap'd `MAP_SHARED` with the
+    /// DMA_MAP. EEXIST on overlap, ENOSPC past max_dma_maps, ENOMEM ([`DmaError::MapBudget`])
+    /// for an fd-backed map beyond this space's share of the process's map budget (checked
+    /// before the mmap); iova, size and offset must be 4 KiB aligned and not overflow. An fd-backed mapping is mmap'd `MAP_SHARED` with the
     /// mapping's protection (the fd is closed afterwards; the mapping keeps the memory).
     pub fn map(&self, m: DmaMapping) -> Result<(), DmaError> {
         self.map_impl(m)
@@ -393,6 +426,7 @@ impl DmaSpace {
         let c = &self.counters;
         DmaStats {
             maps: c.maps.load(Relaxed),
+            fd_maps: self.maps_account.used(),
             pinned_pages: c.pinned_pages.load(Relaxed),
             locked_pages: c.locked_pages.load(Relaxed),
             leaked_pins_released: c.leaked_pins_released.load(Relaxed),

@@ -22,6 +22,8 @@ pub(crate) struct HostMem {
     len: usize,
     /// SIGBUS protection of the range (a client shrinking the file); released before unmap.
     sigbus: Option<super::sigbus::Registration>,
+    /// Its share of the process's map budget; released after the munmap (field drop).
+    charge: Option<super::budget::MapCharge>,
 }
 
 // SAFETY: HostMem is only an owned address range; it is never dereferenced through this
@@ -62,7 +64,17 @@ impl HostMem {
             return Err(io::Error::last_os_error());
         }
         let sigbus = super::sigbus::register(addr as usize, len, page_size, prot);
-        Ok(HostMem { addr, len, sigbus })
+        Ok(HostMem {
+            addr,
+            len,
+            sigbus,
+            charge: None,
+        })
+    }
+
+    /// Keep `charge` (this mapping's share of the map budget) until the range is unmapped.
+    pub(crate) fn hold(&mut self, charge: super::budget::MapCharge) {
+        self.charge = Some(charge);
     }
 
     /// Start address.

@@ -52,8 +52,10 @@
 //! The handler is process-wide: an embedding application that installs its own SIGBUS
 //! handler after umdev's must chain to it. A previous handler runs with umdev's signal mask;
 //! its own `sa_mask` and flags other than `SA_SIGINFO` are not applied. At most 65 536
-//! mappings are protected at a time (beyond that, a mapping works unprotected and a warning
-//! is logged).
+//! mappings are protected at a time, process-wide; the budget of fd-backed maps (`budget`)
+//! never lets the DMA spaces of one pool hold more, and gives each space its share, so one
+//! client cannot leave another's mappings unprotected (beyond the table, with several pools,
+//! a mapping would work unprotected and a warning is logged).
 //!
 //! # Signal safety
 //! The registry is a fixed table of atomics, each slot guarded by a sequence counter (a
@@ -70,7 +72,7 @@ use std::sync::atomic::{
 use std::sync::Once;
 
 /// Most registered mappings at a time (beyond that, a mapping is served unprotected).
-const SLOTS: usize = 1 << 16;
+pub(crate) const SLOTS: usize = 1 << 16;
 /// Bits of [`Slot::meta`] holding log2 of the mapping's page size; the mmap protection bits
 /// sit above them.
 const SHIFT_BITS: u32 = 8;

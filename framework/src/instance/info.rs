@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::dma::DmaStats;
+use crate::server::BacklogUsage;
 
 use super::{InstanceType, Params, Resource};
 
@@ -49,6 +50,11 @@ pub struct InstanceInfo {
     pub client_attached: bool,
     /// The instance's DMA space counters.
     pub dma: DmaStats,
+    /// Its share of the process's budget of fd-backed maps: (guarantee, cap), in maps
+    /// (`dma.fd_maps` is what it holds).
+    pub map_share: (u64, u64),
+    /// What its client's connection holds in the command backlog.
+    pub backlog: BacklogUsage,
 }
 
 /// What [`super::Registry::remove`] did.

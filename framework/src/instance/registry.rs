@@ -6,7 +6,12 @@
 //! alone: its own socket (`<socket_dir>/<uuid>.sock`), its own [`DmaSpace`] (configured by
 //! [`RegistryConfig::dma`]), its own [`Server`] with its threads, one client at a time,
 //! reconnects. The registry is a layer *above* `server`: nothing below it knows about
-//! instances, and instances share no lock, thread or socket with each other.
+//! instances, and instances share no lock, thread or socket with each other. What they do
+//! share, being one process, is budgeted per instance: the fd-backed DMA maps (VMAs and
+//! SIGBUS slots) come from one pool in which each instance has a guarantee of the pool's
+//! capacity / `max_instances` (at most [`crate::dma::DEFAULT_MAP_GUARANTEE`]) that no
+//! other instance's client can take (`dma::budget`); the fds and bytes a connection holds
+//! are bounded by its server ([`ServerConfig`]'s backlog limits and send timeout).
 //!
 //! # Invariants
 //! - **Availability is derived, never counted.** What a parent's instances use of each
@@ -88,7 +93,7 @@ use super::availability;
 use super::info::{InstanceInfo, RemovalReport, ResourceUsage, TypeInfo};
 use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
 use crate::device::{Device, DeviceError};
-use crate::dma::{DmaConfig, DmaSpace};
+use crate::dma::{DmaConfig, DmaSpace, MapPool};
 use crate::migration::stream::{self, StreamReader};
 use crate::migration::{Migrate, MigrationError};
 use crate::server::{RunningServer, Server, ServerConfig};
@@ -174,6 +179,8 @@ impl Instance {
             socket: self.socket.clone(),
             client_attached: s.server.client_attached(),
             dma: s.dma.stats(),
+            map_share: s.dma.map_share(),
+            backlog: s.server.backlog(),
         })
     }
 }
@@ -584,6 +591,8 @@ impl Registry {
             socket: instance.socket.clone(),
             client_attached: served.server.client_attached(),
             dma: served.dma.stats(),
+            map_share: served.dma.map_share(),
+            backlog: served.server.backlog(),
         };
         *instance.served_mut() = Some(served);
         reservation.armed = false;
@@ -595,6 +604,18 @@ impl Registry {
             "instance created"
         );
         Ok(info)
+    }
+
+    /// The DMA configuration of a new instance: the registry's, drawing from one pool of
+    /// fd-backed maps (the process's unless configured), with the guarantee lowered to
+    /// the pool's capacity / `max_instances` so that every instance the registry admits
+    /// gets its whole guarantee (see `dma::budget`).
+    fn instance_dma_config(&self) -> DmaConfig {
+        let mut dma = self.config.dma.clone();
+        let pool = dma.map_pool.get_or_insert_with(MapPool::process).clone();
+        let fair = pool.capacity() / self.config.max_instances.max(1) as u64;
+        dma.map_guarantee = dma.map_guarantee.min(fair);
+        dma
     }
 
     /// Build the device and start its server.
@@ -612,7 +633,19 @@ impl Registry {
         if let Some(stream) = state {
             load_stream(device.as_mut(), instance, stream)?;
         }
-        let dma = DmaSpace::new(self.config.dma.clone());
+        let dma_config = self.instance_dma_config();
+        let wanted = dma_config.map_guarantee;
+        let dma = DmaSpace::new(dma_config);
+        let (given, cap) = dma.map_share();
+        if given < wanted {
+            warn!(
+                uuid = %instance.uuid,
+                guarantee = wanted,
+                given,
+                cap,
+                "instance gets less than its guaranteed share of the process's DMA map budget"
+            );
+        }
         let mut config = self.config.server.clone();
         config.socket_path = instance.socket.clone();
         let server = Server::new(config, device, dma.clone())

@@ -42,6 +42,26 @@
 //! A cancelled request's id is remembered (a bounded list) and not reused while
 //! remembered, so the client's late reply to it is dropped quietly; a reply matching no
 //! id at all is dropped with a warning.
+//!
+//! # Bounds on what a client makes the channel hold
+//!
+//! - **Fds at receive time.** A message carrying more fds than its command can use (one for
+//!   DMA_MAP, `max_msg_fds` for SET_IRQS, none for anything else and for replies) has all
+//!   of them closed as soon as its header is read, and becomes an invalid message (EINVAL
+//!   error reply); a message with more than [`super::socket_io::FD_SLOTS`] fds is cut by
+//!   the kernel and refused the same way. So a backlogged message holds at most the fds its
+//!   command will consume.
+//! - **The backlog** is bounded in messages, bytes (header + payload) and fds
+//!   ([`BacklogLimits`]). While any bound is reached, a requester does not read the socket
+//!   (back-pressure): the client's further messages wait in the kernel's socket buffer, and
+//!   so does the reply the requester waits for, which then times out like an unanswered
+//!   one. A bound is checked before a read, so the backlog exceeds it by at most one
+//!   message (≤ the largest message, ≤ `max_msg_fds` fds).
+//! - **Sending** (replies, error replies, requests) uses the socket's send timeout
+//!   (`SO_SNDTIMEO`, set by the server from `ServerConfig::send_timeout`): a client that
+//!   does not read what we send makes the send fail after that time, and any failed send
+//!   closes the connection (a partly sent message has lost the framing anyway); the
+//!   connection thread then runs the usual teardown (maps removed, pins released).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::{OwnedFd, RawFd};
@@ -55,7 +75,7 @@ use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
 use tracing::{debug, warn};
 
 use super::socket_io::{
-    discard, header_of, recv_header, recv_payload, send_message, wait_readable,
+    discard, header_of, recv_header, recv_payload, send_message, wait_readable, FD_SLOTS,
 };
 use crate::protocol::{encode_message, Command, Header, MessageType, ProtocolError, HEADER_SIZE};
 
@@ -68,6 +88,9 @@ pub struct Incoming {
     pub payload: Vec<u8>,
     /// Fds that came with it.
     pub fds: Vec<OwnedFd>,
+    /// Fds that came with it beyond what its command can use: closed at receive, counted
+    /// here so the command is refused for its fd count as if they were still attached.
+    pub fds_closed: usize,
 }
 
 /// What one read from the socket produced.
@@ -83,9 +106,31 @@ pub enum ReadResult {
     Eof,
 }
 
-/// Read one message from `stream`, validating the header against `max_message`.
+/// Read one message from `stream`, validating the header against `max_message` (fds: at
+/// most what the command can use with `max_msg_fds` = [`super::socket_io::FD_SLOTS`]).
 pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
-    let raw = match recv_header(stream) {
+    read_one_with(stream, max_message, FD_SLOTS)
+}
+
+/// Most fds a message with header `h` can use: one for DMA_MAP, `max_msg_fds` for
+/// SET_IRQS, none for any other command or for a reply.
+fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
+    let is_reply = h.flags & crate::protocol::FLAGS_TYPE_MASK == crate::protocol::FLAGS_TYPE_REPLY;
+    if is_reply {
+        return 0;
+    }
+    match Command::from_u16(h.command) {
+        Ok(Command::DmaMap) => 1,
+        Ok(Command::DeviceSetIrqs) => max_msg_fds,
+        _ => 0,
+    }
+}
+
+/// [`read_one`] with the client's `max_msg_fds`: the fds of a message that carries more
+/// than its command can use are closed at once ([`Incoming::fds_closed`] counts them, so
+/// the command is refused for its fd count when it is handled).
+pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) -> ReadResult {
+    let mut raw = match recv_header(stream) {
         Ok(Some(raw)) => raw,
         Ok(None) => return ReadResult::Eof,
         Err(e) => {
@@ -94,15 +139,15 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
         }
     };
     let header = header_of(&raw);
+    let mut fds_closed = 0;
+    if raw.fds.len() > usable_fds(&header, max_msg_fds) {
+        // Closed now, not when the (possibly backlogged) message is handled.
+        fds_closed = raw.fds.len();
+        raw.fds.clear();
+    }
     let (ty, len) = match header.validate(max_message) {
         Ok(v) => v,
         Err(e @ ProtocolError::MessageTooSmall { .. }) => return ReadResult::Corrupt(header, e),
-        Err(e @ ProtocolError::MessageTooLarge { .. }) => {
-            if discard(stream, header.msg_size as usize - HEADER_SIZE).is_err() {
-                return ReadResult::Eof;
-            }
-            return ReadResult::Invalid(header, e);
-        }
         Err(e) => {
             if discard(stream, header.msg_size as usize - HEADER_SIZE).is_err() {
                 return ReadResult::Eof;
@@ -120,7 +165,7 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
             ProtocolError::WrongFdCount {
                 what: "message",
                 expected: "at most max_msg_fds",
-                got: raw.fds.len() + 1,
+                got: fds_closed.max(raw.fds.len()) + 1,
             },
         );
     }
@@ -129,6 +174,7 @@ pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
             header,
             payload,
             fds: raw.fds,
+            fds_closed,
         },
         ty,
     )
@@ -143,6 +189,14 @@ enum Backlogged {
 }
 
 impl Backlogged {
+    /// Bytes it holds (header + payload) and fds.
+    fn weight(&self) -> (usize, usize) {
+        match self {
+            Backlogged::Command(m) => (HEADER_SIZE + m.payload.len(), m.fds.len()),
+            Backlogged::Invalid(..) => (HEADER_SIZE, 0),
+        }
+    }
+
     /// True if its sender waits for a reply from the connection thread (an error reply,
     /// for an invalid message that is not itself a reply).
     fn awaits_reply(&self) -> bool {
@@ -162,6 +216,40 @@ pub struct ReadSide {
     stream: UnixStream,
     backlog: VecDeque<Backlogged>,
     eof: bool,
+}
+
+/// Bounds of the backlog of commands read by requesters (module doc). Reading stops while
+/// any one is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BacklogLimits {
+    /// Most messages.
+    pub messages: usize,
+    /// Most bytes (header + payload of each message).
+    pub bytes: usize,
+    /// Most fds held by backlogged messages.
+    pub fds: usize,
+}
+
+impl Default for BacklogLimits {
+    /// 256 messages, 8 MiB, 64 fds.
+    fn default() -> Self {
+        BacklogLimits {
+            messages: 256,
+            bytes: 8 << 20,
+            fds: 64,
+        }
+    }
+}
+
+/// What the backlog holds now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BacklogUsage {
+    /// Messages.
+    pub messages: usize,
+    /// Bytes.
+    pub bytes: usize,
+    /// Fds.
+    pub fds: usize,
 }
 
 /// Why a server→client request failed.
@@ -350,6 +438,16 @@ pub struct Channel {
     client_waits: AtomicBool,
     /// Backlogged messages whose sender waits for a reply (changed under the reader lock).
     backlog_awaiting: AtomicUsize,
+    /// Bounds of the backlog.
+    limits: BacklogLimits,
+    /// The client's max_msg_fds (fds beyond what a command can use are closed at receive).
+    max_msg_fds: usize,
+    /// What the backlog holds (changed under the reader lock, read by [`Channel::backlog`]).
+    backlog_messages: AtomicUsize,
+    backlog_bytes: AtomicUsize,
+    backlog_fds: AtomicUsize,
+    /// The backlog reached a bound and reading stopped (logged once per episode).
+    throttled: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -387,7 +485,57 @@ impl Channel {
             conn_thread: OnceLock::new(),
             client_waits: AtomicBool::new(false),
             backlog_awaiting: AtomicUsize::new(0),
+            limits: BacklogLimits::default(),
+            max_msg_fds: FD_SLOTS,
+            backlog_messages: AtomicUsize::new(0),
+            backlog_bytes: AtomicUsize::new(0),
+            backlog_fds: AtomicUsize::new(0),
+            throttled: AtomicBool::new(false),
         })
+    }
+
+    /// Bound the backlog by `limits` and accept at most `max_msg_fds` fds with a SET_IRQS
+    /// (one with a DMA_MAP, none with anything else).
+    pub fn with_limits(mut self, limits: BacklogLimits, max_msg_fds: u32) -> Channel {
+        self.limits = limits;
+        self.max_msg_fds = max_msg_fds as usize;
+        self
+    }
+
+    /// What the backlog holds now.
+    pub fn backlog(&self) -> BacklogUsage {
+        BacklogUsage {
+            messages: self.backlog_messages.load(Ordering::Relaxed),
+            bytes: self.backlog_bytes.load(Ordering::Relaxed),
+            fds: self.backlog_fds.load(Ordering::Relaxed),
+        }
+    }
+
+    /// True if a bound of the backlog is reached (no more reading until it drains).
+    fn backlog_full(&self) -> bool {
+        let u = self.backlog();
+        u.messages >= self.limits.messages
+            || u.bytes >= self.limits.bytes
+            || u.fds >= self.limits.fds
+    }
+
+    /// Account for `b` entering (`add`) or leaving the backlog; the caller holds the
+    /// reader lock.
+    fn account(&self, b: &Backlogged, add: bool) {
+        let (bytes, fds) = b.weight();
+        let op = |a: &AtomicUsize, v: usize| {
+            if add {
+                a.fetch_add(v, Ordering::AcqRel);
+            } else {
+                a.fetch_sub(v, Ordering::AcqRel);
+            }
+        };
+        op(&self.backlog_messages, 1);
+        op(&self.backlog_bytes, bytes);
+        op(&self.backlog_fds, fds);
+        if b.awaits_reply() {
+            op(&self.backlog_awaiting, 1);
+        }
     }
 
     /// Record the calling thread as the connection thread (the one that handles commands
@@ -484,10 +632,35 @@ impl Channel {
         self.twin_active.store(true, Ordering::Release);
     }
 
-    /// Send one whole message on the main socket.
+    /// Send one whole message on the main socket. A failure (the client hung up, or did not
+    /// read within the socket's send timeout) closes the connection: part of the message
+    /// may be on the wire, so the framing is lost.
     pub fn send(&self, buf: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
         let w = lock(&self.writer);
-        send_message(&w, buf, fds)
+        let r = send_message(&w, buf, fds);
+        drop(w);
+        if let Err(e) = &r {
+            self.send_failed(e);
+        }
+        r
+    }
+
+    /// A send failed: close the connection, saying why unless the client simply left.
+    fn send_failed(&self, e: &std::io::Error) {
+        if self.is_closed() {
+            return;
+        }
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            warn!(
+                "the client does not read what the server sends (send timeout); disconnecting it"
+            );
+        } else {
+            debug!(error = %e, "send failed; closing the connection");
+        }
+        self.close();
     }
 
     /// Send an error reply to `hdr` (nothing if it asked for no reply or is a reply; a
@@ -553,8 +726,11 @@ impl Channel {
         loop {
             let mut rs = lock(&self.reader);
             let next = rs.backlog.pop_front();
-            if next.as_ref().is_some_and(Backlogged::awaits_reply) {
-                self.backlog_awaiting.fetch_sub(1, Ordering::AcqRel);
+            if let Some(b) = &next {
+                self.account(b, false);
+                if !self.backlog_full() {
+                    self.throttled.store(false, Ordering::Relaxed);
+                }
             }
             match next {
                 Some(Backlogged::Command(m)) => return Some(m),
@@ -569,7 +745,7 @@ impl Channel {
             if rs.eof {
                 return None;
             }
-            match read_one(&rs.stream, self.max_message) {
+            match read_one_with(&rs.stream, self.max_message, self.max_msg_fds) {
                 ReadResult::Message(m, MessageType::Command) => return Some(m),
                 ReadResult::Message(m, MessageType::Reply) => {
                     drop(rs);
@@ -595,20 +771,34 @@ impl Channel {
         }
     }
 
-    /// Read at most one message while waiting for a reply (follower turned leader).
-    fn pump(&self, rs: &mut ReadSide, wait: Duration) {
+    /// Read at most one message while waiting for a reply (follower turned leader); false
+    /// (nothing read) while the backlog is full: the caller then waits without reading.
+    fn pump(&self, rs: &mut ReadSide, wait: Duration) -> bool {
         if rs.eof {
-            return;
+            return false;
+        }
+        if self.backlog_full() {
+            if !self.throttled.swap(true, Ordering::Relaxed) {
+                let u = self.backlog();
+                warn!(
+                    messages = u.messages,
+                    bytes = u.bytes,
+                    fds = u.fds,
+                    "command backlog full while waiting for the client's reply; not reading \
+                     the socket until the connection thread catches up"
+                );
+            }
+            return false;
         }
         match wait_readable(&rs.stream, wait) {
             Ok(true) => {}
-            Ok(false) => return,
+            Ok(false) => return true,
             Err(_) => {
                 rs.eof = true;
-                return;
+                return true;
             }
         }
-        let backlogged = match read_one(&rs.stream, self.max_message) {
+        let backlogged = match read_one_with(&rs.stream, self.max_message, self.max_msg_fds) {
             ReadResult::Message(m, MessageType::Reply) => {
                 self.route_reply(m);
                 None
@@ -625,15 +815,14 @@ impl Channel {
             }
         };
         if let Some(b) = backlogged {
-            if b.awaits_reply() {
-                self.backlog_awaiting.fetch_add(1, Ordering::AcqRel);
-            }
+            self.account(&b, true);
             rs.backlog.push_back(b);
         }
         if rs.eof {
             self.closed.store(true, Ordering::Release);
             lock(&self.pending).clear();
         }
+        true
     }
 
     /// Send a server→client command and wait for its reply (payload returned). Errors in
@@ -674,8 +863,9 @@ impl Channel {
                 Some(s) => send_message(s, buf, &[]),
                 None => Err(std::io::ErrorKind::NotConnected.into()),
             };
-            if sent.is_err() {
+            if let Err(e) = sent {
                 lock(&self.pending).take(id);
+                self.send_failed(&e);
                 return Err(RequestError::Disconnected);
             }
             Ok(id)
@@ -731,8 +921,7 @@ impl Channel {
             let slice = (deadline - now).min(PUMP_SLICE);
             if !twin {
                 if let Ok(mut rs) = self.reader.try_lock() {
-                    if !rs.eof {
-                        self.pump(&mut rs, slice);
+                    if !rs.eof && self.pump(&mut rs, slice) {
                         continue;
                     }
                 }
@@ -783,6 +972,7 @@ impl Channel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
     use std::sync::Arc;
 
     fn pair(timeout_ms: u64) -> (Arc<Channel>, UnixStream) {
@@ -1023,5 +1213,137 @@ mod tests {
             chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
             RequestError::Disconnected
         );
+    }
+
+    fn limited(timeout_ms: u64, limits: BacklogLimits) -> (Arc<Channel>, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let chan = Channel::new(a, 1 << 20, 4096, Duration::from_millis(timeout_ms))
+            .unwrap()
+            .with_limits(limits, 16);
+        (Arc::new(chan), b)
+    }
+
+    /// A posted (no reply) command with `payload` and `fds`.
+    fn posted(id: u16, cmd: Command, payload: &[u8], fds: &[RawFd], peer: &UnixStream) {
+        let mut h = Header::command(id, cmd, payload.len());
+        h.flags |= crate::protocol::FLAGS_NO_REPLY;
+        send_message(peer, &encode_message(&h, payload), fds).unwrap();
+    }
+
+    /// Start a request that nobody answers; the peer gets it before this returns.
+    fn unanswered(chan: &Arc<Channel>, peer: &UnixStream) -> std::thread::JoinHandle<()> {
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || {
+            let e = c2.request(Command::DmaRead, &[0; 16]).unwrap_err();
+            assert!(matches!(e, RequestError::Timeout(_)), "{e:?}");
+        });
+        next_request(peer, Duration::from_secs(2)).expect("the request");
+        t
+    }
+
+    #[test]
+    fn test_backlog_flood_while_request_waits_stops_reading_at_message_bound() {
+        let limits = BacklogLimits {
+            messages: 8,
+            ..BacklogLimits::default()
+        };
+        let (chan, peer) = limited(400, limits);
+        let t = unanswered(&chan, &peer);
+        for i in 0..50 {
+            posted(i, Command::RegionWrite, &[0; 32], &[], &peer);
+        }
+        t.join().unwrap();
+        assert_eq!(chan.backlog().messages, 8, "{:?}", chan.backlog());
+        // Nothing was lost: the rest waited in the socket, in order.
+        drop(peer);
+        let ids: Vec<u16> = std::iter::from_fn(|| chan.next_command())
+            .map(|m| m.header.msg_id)
+            .collect();
+        assert_eq!(ids, (0..50).collect::<Vec<_>>());
+        assert_eq!(chan.backlog(), BacklogUsage::default());
+    }
+
+    #[test]
+    fn test_backlog_flood_while_request_waits_bounded_in_bytes() {
+        let limits = BacklogLimits {
+            bytes: 4096,
+            ..BacklogLimits::default()
+        };
+        let (chan, peer) = limited(400, limits);
+        let t = unanswered(&chan, &peer);
+        for i in 0..40 {
+            posted(i, Command::RegionWrite, &[0; 1000], &[], &peer);
+        }
+        t.join().unwrap();
+        let u = chan.backlog();
+        assert!(u.bytes >= 4096 && u.bytes < 4096 + 1016, "{u:?}");
+        assert_eq!(u.messages, 5);
+    }
+
+    #[test]
+    fn test_backlog_flood_with_fds_stops_reading_at_fd_bound() {
+        let limits = BacklogLimits {
+            fds: 8,
+            ..BacklogLimits::default()
+        };
+        let (chan, peer) = limited(400, limits);
+        let t = unanswered(&chan, &peer);
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let fds = [f.as_raw_fd(); 4];
+        for i in 0..100 {
+            posted(i, Command::DeviceSetIrqs, &[0; 20], &fds, &peer);
+        }
+        t.join().unwrap();
+        let u = chan.backlog();
+        assert_eq!((u.messages, u.fds), (2, 8), "{u:?}");
+    }
+
+    #[test]
+    fn test_backlog_fds_beyond_command_use_closed_at_receive_still_counted() {
+        let (chan, peer) = limited(400, BacklogLimits::default());
+        let t = unanswered(&chan, &peer);
+        let (r, w) = std::io::pipe().unwrap();
+        // A command that takes no fd, and a DMA_MAP with two: all closed at once.
+        let mut h = Header::command(5, Command::DeviceReset, 0);
+        send_message(&peer, &h.encode(), &[w.as_raw_fd(), w.as_raw_fd()]).unwrap();
+        h = Header::command(6, Command::DmaMap, 0);
+        send_message(&peer, &h.encode(), &[w.as_raw_fd(), w.as_raw_fd()]).unwrap();
+        drop(w);
+        t.join().unwrap();
+        assert_eq!(chan.backlog().messages, 2);
+        assert_eq!(chan.backlog().fds, 0);
+        // Every copy of the write end is closed: the pipe reads EOF while both are queued.
+        let mut buf = [0u8; 1];
+        assert_eq!(std::io::Read::read(&mut &r, &mut buf).unwrap(), 0);
+        // Both are handled in order, refused for the fds they carried (the connection's
+        // decode counts `fds_closed`).
+        drop(peer);
+        for id in [5, 6] {
+            let m = chan.next_command().expect("the backlogged command");
+            assert_eq!((m.header.msg_id, m.fds.len(), m.fds_closed), (id, 0, 2));
+        }
+    }
+
+    #[test]
+    fn test_send_to_client_not_reading_times_out_closes_connection() {
+        let (a, peer) = UnixStream::pair().unwrap();
+        a.set_write_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        let chan = Channel::new(a, 1 << 20, 4096, Duration::from_secs(5)).unwrap();
+        let big = encode_message(&Header::command(1, Command::RegionRead, 65536), &[0; 65536]);
+        let start = Instant::now();
+        let mut sent = 0;
+        while chan.send(&big, &[]).is_ok() {
+            sent += 1;
+            assert!(sent < 10_000, "the socket never filled");
+        }
+        assert!(start.elapsed() < Duration::from_secs(3));
+        assert!(chan.is_closed());
+        // A requester fails at once too.
+        assert_eq!(
+            chan.request(Command::DmaRead, &[0; 16]).unwrap_err(),
+            RequestError::Disconnected
+        );
+        drop(peer);
     }
 }

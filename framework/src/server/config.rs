@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::channel::BacklogLimits;
 use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
@@ -40,6 +41,15 @@ pub struct ServerConfig {
     pub twin_socket: bool,
     /// How long a server→client DMA_READ/DMA_WRITE waits for its reply.
     pub remote_dma_timeout: Duration,
+    /// How long sending one message to the client (a reply, a server→client request) may
+    /// block because the client does not read (`SO_SNDTIMEO`); then the client is
+    /// disconnected, with the usual teardown (maps removed, pins released, device state
+    /// kept). Default 10 s; zero means no limit.
+    pub send_timeout: Duration,
+    /// Bounds of the commands a requester reads and queues while it waits for the reply to
+    /// a server→client DMA_READ/DMA_WRITE (default 256 messages, 8 MiB, 64 fds); reading
+    /// stops while one is reached (see `server::channel`).
+    pub backlog: BacklogLimits,
     /// Layout of server→client DMA_READ/DMA_WRITE data. `None` (default) picks per client:
     /// QEMU's layout for a client that proposes `migration.max_bitmap_size` (only QEMU
     /// does), the spec's otherwise.
@@ -60,6 +70,8 @@ impl ServerConfig {
             pgsize: 4096,
             twin_socket: true,
             remote_dma_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(10),
+            backlog: BacklogLimits::default(),
             dma_rw_layout: None,
         }
     }

@@ -152,10 +152,13 @@ impl Connection {
         );
         let _enter = span.enter();
         let fds = m.fds;
+        let fds_closed = m.fds_closed;
         // While the client waits for this message's reply it answers none of our requests
         // (QEMU): a request the device makes from this thread meanwhile fails fast.
         self.chan.set_client_waits(!hdr.no_reply());
-        let result = catch_unwind(AssertUnwindSafe(|| self.process(&hdr, &m.payload, fds)));
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            self.process(&hdr, &m.payload, fds, fds_closed)
+        }));
         self.chan.set_client_waits(false);
         let Ok(result) = result else {
             error!("the device panicked while handling {name}; closing the connection");
@@ -206,11 +209,14 @@ impl Connection {
         hdr: &Header,
         payload: &[u8],
         fds: Vec<OwnedFd>,
+        fds_closed: usize,
     ) -> Result<Option<Reply>, ServerError> {
         if !self.negotiated && hdr.command != Command::Version as u16 {
             return Err(ServerError::BadState("the first message must be VERSION"));
         }
-        let req = decode_request(hdr, payload, fds.len(), &self.limits)?;
+        // Fds closed at receive (more than the command can use) still count: the command is
+        // refused for its fd count, as if they were attached.
+        let req = decode_request(hdr, payload, fds.len() + fds_closed, &self.limits)?;
         Ok(Some(match req {
             Request::Version(v) => return self.version(hdr, v),
             Request::DmaMap(m) => self.dma_map(m, fds)?,
@@ -244,6 +250,9 @@ impl Connection {
         if n.twin_socket {
             let (ours, theirs) =
                 UnixStream::pair().map_err(|e| ServerError::io("creating the twin socket", e))?;
+            let t = self.config.send_timeout;
+            ours.set_write_timeout((!t.is_zero()).then_some(t))
+                .map_err(|e| ServerError::io("setting the twin socket's send timeout", e))?;
             let reader = ours
                 .try_clone()
                 .map_err(|e| ServerError::io("cloning the twin socket", e))?;

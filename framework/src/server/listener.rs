@@ -1,6 +1,7 @@
 //! The listening socket: refuse to clobber a live server, remove a stale socket, set the
 //! file mode before anyone can connect (bind in a private directory, chmod, move into
-//! place), remove the file again when done.
+//! place), remove the file again when done; and how the accept loop waits out a full fd
+//! table ([`AcceptBackoff`]).
 
 use std::ffi::CString;
 use std::fs;
@@ -10,6 +11,7 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
@@ -135,6 +137,75 @@ fn bind_private(path: &Path, mode: u32) -> Result<UnixListener, PrivateBind> {
     result
 }
 
+/// What the accept loop does after a failed `accept`.
+///
+/// A connection the server cannot accept for lack of resources (EMFILE, ENFILE, ENOBUFS,
+/// ENOMEM) stays queued, so the listener stays readable and an immediate retry fails the
+/// same way: the loop would spin on one core and log at that rate. Instead it waits before
+/// the next attempt, 10 ms after the first failure, doubling up to 1 s, and logs the first
+/// failure of an episode and then at most one line per 10 s (with the number of failures
+/// in between). A successful accept ends the episode. Other errors (the peer gave up:
+/// ECONNABORTED, EPROTO, ...) are retried at once.
+#[derive(Debug, Default)]
+pub struct AcceptBackoff {
+    /// Failures in the current episode.
+    failures: u64,
+    /// Failures not logged yet.
+    unlogged: u64,
+    /// When a line was last logged.
+    logged_at: Option<Instant>,
+}
+
+/// First wait after a resource failure.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// Longest wait between attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// At most one log line per this period while failures go on.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// What to do after a failed accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptRetry {
+    /// Wait this long (for a stop request only) before the next attempt.
+    pub wait: Duration,
+    /// `Some(n)`: log now, `n` failures since the last line (this one included).
+    pub log: Option<u64>,
+}
+
+impl AcceptBackoff {
+    /// A failed accept at `now`.
+    pub fn failed(&mut self, e: &io::Error, now: Instant) -> AcceptRetry {
+        let resource = matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        );
+        if !resource {
+            return AcceptRetry {
+                wait: Duration::ZERO,
+                log: Some(1),
+            };
+        }
+        self.failures += 1;
+        self.unlogged += 1;
+        let wait = BACKOFF_MIN
+            .saturating_mul(1u32 << (self.failures - 1).min(16))
+            .min(BACKOFF_MAX);
+        let log = match self.logged_at {
+            Some(t) if now.duration_since(t) < LOG_EVERY => None,
+            _ => {
+                self.logged_at = Some(now);
+                Some(std::mem::take(&mut self.unlogged))
+            }
+        };
+        AcceptRetry { wait, log }
+    }
+
+    /// A successful accept: the episode is over.
+    pub fn succeeded(&mut self) {
+        *self = AcceptBackoff::default();
+    }
+}
+
 impl Drop for SocketListener {
     fn drop(&mut self) {
         let _ = fs::remove_file(&self.path);
@@ -163,6 +234,39 @@ mod tests {
         let again = SocketListener::bind(&p, 0o600).unwrap();
         drop(again);
         assert!(!p.exists());
+    }
+
+    #[test]
+    fn test_accept_backoff_emfile_waits_grow_logs_rate_limited_success_resets() {
+        let mut b = AcceptBackoff::default();
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        let t0 = Instant::now();
+        let first = b.failed(&emfile, t0);
+        assert_eq!(
+            first,
+            AcceptRetry {
+                wait: BACKOFF_MIN,
+                log: Some(1)
+            }
+        );
+        let mut waits = vec![first.wait];
+        // 1000 failures within 5 s: no further line, waits double up to the cap.
+        for i in 1..1000u64 {
+            let r = b.failed(&emfile, t0 + Duration::from_millis(5 * i));
+            assert_eq!(r.log, None, "failure {i} logged");
+            waits.push(r.wait);
+        }
+        assert!(waits.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(waits[1], 2 * BACKOFF_MIN);
+        assert_eq!(*waits.last().unwrap(), BACKOFF_MAX);
+        // After the period, one line counting what was suppressed.
+        let r = b.failed(&emfile, t0 + LOG_EVERY + Duration::from_secs(1));
+        assert_eq!(r.log, Some(1000));
+        b.succeeded();
+        assert_eq!(b.failed(&emfile, t0 + LOG_EVERY * 2).wait, BACKOFF_MIN);
+        // An aborted connection is retried at once.
+        let aborted = io::Error::from_raw_os_error(libc::ECONNABORTED);
+        assert_eq!(b.failed(&aborted, t0).wait, Duration::ZERO);
     }
 
     #[test]

@@ -14,6 +14,11 @@
 //! rest to the device. Errors go back as error replies with a fitting errno (never 0); commands
 //! with No_reply get no reply at all. On disconnect all DMA maps are removed, the
 //! server→client path is uninstalled and the device drops its IRQ fds; device state stays.
+//! A client that does not read what the server sends is disconnected after
+//! [`ServerConfig::send_timeout`]; what a client makes a connection hold (fds beyond a
+//! command's use, commands queued while a device waits for a reply) is bounded
+//! ([`channel`]); the accept loop backs off while the process's fd table is full
+//! ([`listener::AcceptBackoff`]).
 //!
 //! Server→client DMA_READ/DMA_WRITE ([`remote_dma`]) may be issued from any thread while
 //! the client is talking: requests are matched to replies by message id, replies are
@@ -38,6 +43,7 @@ mod running;
 pub mod signals;
 pub mod socket_io;
 
+pub use channel::{BacklogLimits, BacklogUsage};
 pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
 pub use running::{RunningServer, Server, ShutdownHandle};

@@ -21,7 +21,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::channel::Channel;
 use super::connection::Connection;
-use super::listener::SocketListener;
+use super::listener::{AcceptBackoff, SocketListener};
 use super::{ServerConfig, ServerError};
 use crate::device::Device;
 use crate::dma::DmaSpace;
@@ -139,6 +139,20 @@ impl RunningServer {
     /// has finished (maps removed, pins released, IRQ fds dropped).
     pub fn client_attached(&self) -> bool {
         *self.shutdown.state.attached()
+    }
+
+    /// What the attached client's connection holds in its command backlog now (zero
+    /// without a client; see `server::channel`).
+    pub fn backlog(&self) -> super::BacklogUsage {
+        self.shutdown
+            .state
+            .active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(Weak::upgrade)
+            .map(|c| c.backlog())
+            .unwrap_or_default()
     }
 
     /// Wait up to `timeout` for the attached client (if any) to be gone, teardown done;
@@ -319,6 +333,22 @@ fn poll_two(a: i32, b: i32) -> std::io::Result<(bool, bool)> {
     Ok((fds[0].revents != 0, fds[1].revents != 0))
 }
 
+/// Wait until `fd` is readable or `timeout` passes.
+fn wait_readable_fd(fd: i32, timeout: Duration) -> std::io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n > 0)
+}
+
 fn accept_loop(
     listener: SocketListener,
     device: Arc<Mutex<Box<dyn Device>>>,
@@ -329,6 +359,7 @@ fn accept_loop(
     let span = info_span!("server", socket = %listener.path().display());
     let _enter = span.enter();
     let mut current: Option<(Weak<Channel>, JoinHandle<()>)> = None;
+    let mut backoff = AcceptBackoff::default();
     let result = loop {
         if state.stop.load(Ordering::Acquire) {
             break Ok(());
@@ -345,10 +376,25 @@ fn accept_loop(
             continue;
         }
         let stream = match listener.listener.accept() {
-            Ok((s, _)) => s,
+            Ok((s, _)) => {
+                backoff.succeeded();
+                s
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
-                warn!(error = %e, "accept failed");
+                let retry = backoff.failed(&e, Instant::now());
+                if let Some(failures) = retry.log {
+                    warn!(
+                        error = %e,
+                        failures,
+                        retry_in_ms = retry.wait.as_millis() as u64,
+                        "accept failed"
+                    );
+                }
+                if !retry.wait.is_zero() {
+                    // Only a stop request ends the wait early.
+                    let _ = wait_readable_fd(state.wake.as_raw_fd(), retry.wait);
+                }
                 continue;
             }
         };
@@ -370,7 +416,9 @@ fn accept_loop(
         }
         if let Err(e) = stream.set_nonblocking(false).and_then(|()| {
             let t = config.negotiation_timeout;
-            stream.set_read_timeout((!t.is_zero()).then_some(t))
+            stream.set_read_timeout((!t.is_zero()).then_some(t))?;
+            let t = config.send_timeout;
+            stream.set_write_timeout((!t.is_zero()).then_some(t))
         }) {
             warn!(error = %e, "cannot configure the client socket");
             continue;
@@ -381,7 +429,7 @@ fn accept_loop(
             config.offer().max_data_xfer_size,
             config.remote_dma_timeout,
         ) {
-            Ok(c) => Arc::new(c),
+            Ok(c) => Arc::new(c.with_limits(config.backlog, config.offer().max_msg_fds)),
             Err(e) => {
                 warn!(error = %e, "cannot set up the client socket");
                 continue;

@@ -25,6 +25,7 @@ pub fn space(policy: PinPolicy, limit_pages: u64) -> Arc<DmaSpace> {
         policy,
         lock_limit_bytes: Some(limit_pages * PAGE_SIZE),
         max_dma_maps: 65535,
+        ..DmaConfig::default()
     })
 }
 
