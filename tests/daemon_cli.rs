@@ -616,3 +616,31 @@ fn test_daemon_gpu_engine_thread_keeps_daemons_nice_by_default_flag_lowers_it() 
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("\"20\" is not a nice value"), "{e}");
 }
+
+#[test]
+fn test_daemon_relative_socket_dir_qemu_line_and_paths_absolute() {
+    let d = Daemon::start_relative(&[]);
+    let sockets = fs::canonicalize(d.sockets()).unwrap();
+    let text = d.ok(&["create", "--type", "gpu-4m"]);
+    let uuid = text.split_whitespace().nth(1).unwrap().to_owned();
+    let socket = sockets.join(format!("{uuid}.sock"));
+    assert!(socket.is_absolute());
+    assert!(
+        text.contains(&format!(r#""path":"{}""#, socket.display())),
+        "{text}"
+    );
+    let listed = instances(&d);
+    assert_eq!(listed[0]["socket"], socket.to_str().unwrap(), "{listed:?}");
+    let defined = d.json(&["define", "--type", "gpu-4m"]);
+    let path = PathBuf::from(defined["definition"]["path"].as_str().unwrap());
+    assert!(path.is_absolute(), "{defined}");
+    assert!(path.starts_with(fs::canonicalize(d.state()).unwrap()));
+    let log = d.log();
+    assert!(
+        log.contains(&format!(
+            "control={}",
+            sockets.join("control.sock").display()
+        )),
+        "{log}"
+    );
+}

@@ -242,11 +242,18 @@ pub fn run(args: DaemonArgs) -> CliResult {
         .control
         .clone()
         .unwrap_or_else(|| socket_dir.join(paths::CONTROL_SOCKET));
-    paths::ensure_private_dir(&state_dir).map_err(DaemonError::from)?;
-    paths::ensure_private_dir(&socket_dir).map_err(DaemonError::from)?;
-    if let Some(dir) = control_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        paths::ensure_private_dir(dir).map_err(DaemonError::from)?;
-    }
+    // Absolute from here on: the paths printed (QEMU lines, logs) work from any directory.
+    let state_dir = paths::ensure_private_dir(&state_dir).map_err(DaemonError::from)?;
+    let socket_dir = paths::ensure_private_dir(&socket_dir).map_err(DaemonError::from)?;
+    let control_dir = control_path.parent().filter(|d| !d.as_os_str().is_empty());
+    let control_path = match (control_dir, control_path.file_name()) {
+        (Some(dir), Some(name)) => paths::ensure_private_dir(dir)
+            .map_err(DaemonError::from)?
+            .join(name),
+        _ => std::env::current_dir()
+            .map(|cwd| cwd.join(&control_path))
+            .unwrap_or(control_path),
+    };
     let _lock = lock_state_dir(&state_dir)?;
     let listener = SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
         ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),

@@ -18,16 +18,28 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub child: Option<Child>,
     pub extra: Vec<String>,
+    /// Give the daemon its directories as paths relative to its working directory (`dir`).
+    pub relative: bool,
     starts: usize,
 }
 
 impl Daemon {
     /// Start a daemon with `extra` flags; returns once it answers requests.
     pub fn start(extra: &[&str]) -> Daemon {
+        Daemon::start_with(extra, false)
+    }
+
+    /// [`Daemon::start`], the directories given relative to the daemon's working directory.
+    pub fn start_relative(extra: &[&str]) -> Daemon {
+        Daemon::start_with(extra, true)
+    }
+
+    fn start_with(extra: &[&str], relative: bool) -> Daemon {
         let mut d = Daemon {
             dir: tempfile::tempdir().unwrap(),
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            relative,
             starts: 0,
         };
         d.restart();
@@ -57,11 +69,17 @@ impl Daemon {
 
     pub fn command(&self) -> Command {
         let mut c = Command::new(BIN);
+        let (state, sockets) = if self.relative {
+            c.current_dir(self.dir.path());
+            (PathBuf::from("state"), PathBuf::from("sockets"))
+        } else {
+            (self.state(), self.sockets())
+        };
         c.arg("daemon")
             .arg("--state-dir")
-            .arg(self.state())
+            .arg(state)
             .arg("--socket-dir")
-            .arg(self.sockets())
+            .arg(sockets)
             .args(&self.extra)
             .env("RUST_LOG", "info")
             .env_remove("UMDEV_CONTROL")
