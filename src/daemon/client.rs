@@ -285,7 +285,9 @@ pub fn call_with_payload(
         (Some(reply), None) => {
             let payload =
                 protocol::read_payload(&mut reader, reply.payload_len()).map_err(|e| match e {
-                    protocol::FrameError::Io(source) => io("reading the answer's payload")(source),
+                    protocol::FrameError::Io(source) | protocol::FrameError::PayloadIo(source) => {
+                        io("reading the answer's payload")(source)
+                    }
                     other => protocol_err(other.to_string()),
                 })?;
             Ok((reply, payload))

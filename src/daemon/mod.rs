@@ -118,6 +118,10 @@ pub struct DaemonArgs {
     /// the device-request IRQ, seconds (then: busy, or disconnected with --force).
     #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_seconds)]
     pub release_timeout: Duration,
+    /// How long a control client has to send its whole request, and to take the reply,
+    /// seconds (a state it sends or takes gets 1 s more per 32 MiB); then it is cut off.
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_timeout)]
+    pub control_timeout: Duration,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -153,6 +157,13 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
         return Err(format!("{s}: between 0 and 3600 seconds"));
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    parse_seconds(s).and_then(|d| match d.is_zero() {
+        true => Err(format!("{s}: more than 0 seconds")),
+        false => Ok(d),
+    })
 }
 
 /// Why the daemon could not start or stop cleanly.
@@ -318,7 +329,11 @@ pub fn run(args: DaemonArgs) -> CliResult {
     if autostart > 0 {
         info!(started, failed, "autostart done");
     }
-    let control = control::Control::spawn(listener, service.clone()).map_err(DaemonError::Spawn)?;
+    let control_config = control::ControlConfig {
+        request_timeout: args.control_timeout,
+    };
+    let control = control::Control::spawn(listener, service.clone(), control_config)
+        .map_err(DaemonError::Spawn)?;
     info!(
         state = %state_dir.display(),
         sockets = %socket_dir.display(),

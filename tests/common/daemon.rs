@@ -20,6 +20,8 @@ pub struct Daemon {
     pub extra: Vec<String>,
     /// Give the daemon its directories as paths relative to its working directory (`dir`).
     pub relative: bool,
+    /// The daemon's RLIMIT_NOFILE, if set (before a start).
+    pub nofile: Option<u64>,
     starts: usize,
 }
 
@@ -35,15 +37,22 @@ impl Daemon {
     }
 
     fn start_with(extra: &[&str], relative: bool) -> Daemon {
-        let mut d = Daemon {
+        let mut d = Daemon::unstarted(extra);
+        d.relative = relative;
+        d.restart();
+        d
+    }
+
+    /// A daemon not started yet: set its fields, then [`Daemon::restart`].
+    pub fn unstarted(extra: &[&str]) -> Daemon {
+        Daemon {
             dir: tempfile::tempdir().unwrap(),
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
-            relative,
+            relative: false,
+            nofile: None,
             starts: 0,
-        };
-        d.restart();
-        d
+        }
     }
 
     pub fn state(&self) -> PathBuf {
@@ -85,6 +94,20 @@ impl Daemon {
             .env_remove("UMDEV_CONTROL")
             .stdin(Stdio::null())
             .stdout(Stdio::null());
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            let limit = libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            };
+            // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
+            unsafe {
+                c.pre_exec(move || match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                });
+            }
+        }
         c
     }
 
