@@ -539,15 +539,15 @@ fn test_daemon_answers_other_protocol_version_with_clear_error() {
         serde_json::from_str::<Value>(answer.trim_end()).unwrap()
     };
     let v = ask("{\"version\":999,\"request\":{\"op\":\"frobnicate\",\"x\":[1]}}\n");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     assert_eq!(v["error"]["kind"], "version_mismatch", "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("version 1") && msg.contains("999"), "{msg}");
-    let v = ask("{\"version\":1,\"request\":{\"op\":\"frobnicate\"}}\n");
+    assert!(msg.contains("version 2") && msg.contains("999"), "{msg}");
+    let v = ask("{\"version\":2,\"request\":{\"op\":\"frobnicate\"}}\n");
     assert_eq!(v["error"]["kind"], "bad_request", "{v}");
     let v = ask("not json\n");
     assert_eq!(v["error"]["kind"], "bad_request", "{v}");
-    let v = ask("{\"version\":1,\"request\":{\"op\":\"list\"}}\n");
+    let v = ask("{\"version\":2,\"request\":{\"op\":\"list\"}}\n");
     assert!(v["ok"]["instances"].as_array().unwrap().is_empty(), "{v}");
 }
 
@@ -687,7 +687,7 @@ fn test_daemon_control_trickling_peer_cut_off_at_request_deadline() {
     let s = UnixStream::connect(d.control()).unwrap();
     let mut w = &s;
     w.write_all(
-        b"{\"version\":1,\"request\":{\"op\":\"migrate_load\",\"uuid\":\"00000000-0000-4000-8000-0000000000d1\",\"type\":\"gpu/gpu-4m\",\"state_len\":1000}}\n",
+        b"{\"version\":2,\"request\":{\"op\":\"migrate_load\",\"uuid\":\"00000000-0000-4000-8000-0000000000d1\",\"type\":\"gpu/gpu-4m\",\"state_len\":1000}}\n",
     )
     .unwrap();
     let t0 = Instant::now();
@@ -737,7 +737,7 @@ fn test_daemon_control_payload_budget_second_large_state_unavailable() {
     let largest = umdev::migration::stream::MAX_FRAME as u64 + 4096;
     let load = |uuid: &str| {
         let s = UnixStream::connect(d.control()).unwrap();
-        let req = serde_json::json!({"version": 1, "request": {
+        let req = serde_json::json!({"version": 2, "request": {
             "op": "migrate_load", "uuid": uuid, "type": "gpu/gpu-4m", "state_len": largest}});
         (&s).write_all(format!("{req}\n").as_bytes()).unwrap();
         s

@@ -43,7 +43,7 @@ use umdev::server::listener::SocketListener;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::protocol::{self, ControlError, DecodeError, ErrorKind, FrameError, Response};
-use super::service::Service;
+use super::service::{Payload, Service};
 
 /// Connections handled at once.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -351,7 +351,7 @@ fn accept_loop(
 /// Write `result` as the response by `deadline`; a client that went away (or does not
 /// read) is only logged.
 fn answer(stream: &UnixStream, deadline: Instant, result: Result<protocol::Reply, ControlError>) {
-    answer_with(stream, deadline, result.map(|r| (r, Vec::new())));
+    answer_with(stream, deadline, result.map(|r| (r, Payload::default())));
 }
 
 /// Answer, then send the reply's payload (a migrated instance's state) if it has one; the
@@ -359,11 +359,11 @@ fn answer(stream: &UnixStream, deadline: Instant, result: Result<protocol::Reply
 fn answer_with(
     stream: &UnixStream,
     deadline: Instant,
-    result: Result<(protocol::Reply, Vec<u8>), ControlError>,
+    result: Result<(protocol::Reply, Payload), ControlError>,
 ) {
     let (result, payload) = match result {
         Ok((r, p)) => (Ok(r), p),
-        Err(e) => (Err(e), Vec::new()),
+        Err(e) => (Err(e), Payload::default()),
     };
     let bytes = protocol::encode(&Response::of(result));
     let mut out = Timed {

@@ -2,9 +2,9 @@
 //! response per connection on the control socket, each one JSON text followed by a newline.
 //!
 //! ```text
-//! client → daemon   {"version":1,"request":{"op":"create","type":"gpu-4m","auto":true}}\n
-//! daemon → client   {"version":1,"ok":{"reply":"started","instance":{...}}}\n
-//!               or  {"version":1,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
+//! client → daemon   {"version":2,"request":{"op":"create","type":"gpu-4m","auto":true}}\n
+//! daemon → client   {"version":2,"ok":{"reply":"started","instance":{...}}}\n
+//!               or  {"version":2,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
 //! ```
 //!
 //! # Payloads
@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use umdev::instance::Params;
 
 /// The control protocol's version (see the module doc).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest message, newline included.
 pub const MAX_MESSAGE: usize = 1 << 20;
 /// The largest payload after a message (`migrate_load`'s state, `saved`'s): a migration
@@ -134,12 +134,22 @@ pub enum Request {
         force: bool,
     },
     /// `umdev migrate`, on the source: save the whole state of a running instance that no
-    /// client holds (stopped, saved, resumed: it serves on unchanged). The reply
-    /// ([`Reply::Saved`]) is followed by its `state_len` bytes of state (see "Payloads" in
-    /// the module doc).
+    /// client holds. Unless `keep_source`, the instance is then **handed over**: removed
+    /// (its socket gone: no client can attach to it here any more), its state kept in
+    /// memory and its definition (if any) marked as migrating to `to`, until
+    /// [`Request::MigrateFinish`] forgets them or [`Request::MigrateAbort`] serves the
+    /// instance again with that state. With `keep_source` it is stopped, saved and resumed,
+    /// and serves on unchanged. The reply ([`Reply::Saved`]) is followed by its `state_len`
+    /// bytes of state (see "Payloads" in the module doc).
     MigrateSave {
         /// The UUID.
         uuid: String,
+        /// Keep serving the instance (the destination gets a copy).
+        #[serde(default)]
+        keep_source: bool,
+        /// The destination's control socket, recorded in the definition's mark.
+        #[serde(default)]
+        to: Option<PathBuf>,
     },
     /// `umdev migrate`, on the destination: create an instance with the state that follows
     /// the request (`state_len` bytes), and define it if `define`.
@@ -161,14 +171,18 @@ pub enum Request {
         /// Length of the state that follows the request.
         state_len: u64,
     },
-    /// `umdev migrate`, on the source once the destination serves the state: remove the
-    /// instance and its definition, provided no client is attached and the state did not
-    /// change since [`Request::MigrateSave`] (its `digest`).
+    /// `umdev migrate`, on the source once the destination serves the instance: forget a
+    /// handed-over instance (its kept state, its marked definition).
     MigrateFinish {
         /// The UUID.
         uuid: String,
-        /// The `digest` of the [`SavedReply`].
-        digest: u64,
+    },
+    /// `umdev migrate`, on the source when the destination does not serve the instance:
+    /// serve a handed-over instance again, with its kept state (or, after a restart of this
+    /// daemon, from its marked definition), the mark removed.
+    MigrateAbort {
+        /// The UUID.
+        uuid: String,
     },
 }
 
@@ -259,8 +273,9 @@ pub struct SavedReply {
     /// Length of the state that follows the reply: a migration stream
     /// (`protocol-docs/migration.md`).
     pub state_len: u64,
-    /// A digest of the state, for `migrate_finish` (meaningful to this daemon only).
-    pub digest: u64,
+    /// The instance was handed over (removed here, its state kept until `migrate_finish`
+    /// or `migrate_abort`); false with `keep_source`.
+    pub handed_over: bool,
 }
 
 /// What one instance of a type takes of a resource.
@@ -390,6 +405,10 @@ pub struct DefinitionRow {
     /// Why its last autostart failed (until it is started).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_error: Option<String>,
+    /// Handed over to the daemon of this control socket by `umdev migrate`, not confirmed
+    /// yet: not started here (`umdev migrate UUID --to DST --recover` settles it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrating_to: Option<PathBuf>,
 }
 
 /// A definition file the daemon could not read.
@@ -530,8 +549,10 @@ pub enum ErrorKind {
     Attached,
     /// The instance's device does not support migration.
     NotMigratable,
-    /// A migration state was refused, or changed before the migration finished.
+    /// A migration state was refused, or the UUID is not (or no longer) handed over.
     Migration,
+    /// The UUID was handed over to another daemon by `umdev migrate`, not yet settled.
+    MigratingOut,
 }
 
 /// A failure, as the client shows it.
@@ -726,7 +747,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             text,
-            "{\"version\":1,\"request\":{\"op\":\"create\",\"type\":\"gpu/gpu-4m\",\"uuid\":null,\"params\":{\"k\":\"v\"},\"auto\":true}}\n"
+            "{\"version\":2,\"request\":{\"op\":\"create\",\"type\":\"gpu/gpu-4m\",\"uuid\":null,\"params\":{\"k\":\"v\"},\"auto\":true}}\n"
         );
         let back: RequestEnvelope<Request> = serde_json::from_str(text.trim_end()).unwrap();
         assert_eq!(back.request, req);
@@ -810,11 +831,11 @@ mod tests {
         let decode = |text: &str| decode_request(&mut io::BufReader::new(text.as_bytes()));
         let e = decode("{\"version\":9,\"request\":{\"op\":\"nonsense\"}}\n").unwrap_err();
         assert!(matches!(e, DecodeError::Version(9)), "{e:?}");
-        let e = decode("{\"version\":1,\"request\":{\"op\":\"nonsense\"}}\n").unwrap_err();
+        let e = decode("{\"version\":2,\"request\":{\"op\":\"nonsense\"}}\n").unwrap_err();
         assert!(matches!(e, DecodeError::Malformed(_)), "{e:?}");
         let load = |len: u64| {
             format!(
-                "{{\"version\":1,\"request\":{{\"op\":\"migrate_load\",\"uuid\":\"u\",\
+                "{{\"version\":2,\"request\":{{\"op\":\"migrate_load\",\"uuid\":\"u\",\
                  \"type\":\"gpu/gpu-4m\",\"state_len\":{len}}}}}\n"
             )
         };
@@ -827,7 +848,7 @@ mod tests {
         assert_eq!(req.payload_len(), 3);
         assert_eq!(payload, b"abc");
         // Bytes after a request without a payload are not read.
-        let (req, payload) = decode("{\"version\":1,\"request\":{\"op\":\"types\"}}\nxyz").unwrap();
+        let (req, payload) = decode("{\"version\":2,\"request\":{\"op\":\"types\"}}\nxyz").unwrap();
         assert_eq!((req, payload.len()), (Request::Types, 0));
         assert_eq!(transfer_time(MIN_PAYLOAD_RATE * 2), Duration::from_secs(2));
     }
