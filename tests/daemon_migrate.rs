@@ -659,3 +659,60 @@ fn test_migrate_ccw_named_image_keeps_registers_default_image_refused() {
     );
     assert_eq!([a.snapshot(), b.snapshot()], before);
 }
+
+/// A destination that answers `types`, takes a `migrate_load` and hangs up without an
+/// answer (as if it crashed in the step), then lists no instance and no definition: the CLI
+/// cannot tell what the load did, and has to look. Returns its socket and the ops it saw.
+fn hang_up_destination(dir: &Path) -> (PathBuf, std::thread::JoinHandle<Vec<String>>) {
+    use std::io::BufRead;
+    let path = dir.join("hang-up.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let seen = std::thread::spawn(move || {
+        let mut ops = Vec::new();
+        for _ in 0..4 {
+            let (s, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(&s).read_line(&mut line).unwrap();
+            let v: Value = serde_json::from_str(&line).unwrap();
+            let op = v["request"]["op"].as_str().unwrap().to_owned();
+            let ok = match (op.as_str(), v["request"]["defined"].as_bool()) {
+                ("types", _) => serde_json::json!({"reply": "types", "types": [], "resources": []}),
+                ("list", Some(true)) => {
+                    serde_json::json!({"reply": "definitions", "definitions": [], "broken": []})
+                }
+                ("list", _) => serde_json::json!({"reply": "instances", "instances": []}),
+                _ => {
+                    ops.push(op);
+                    continue; // hang up
+                }
+            };
+            ops.push(op);
+            let reply = serde_json::json!({"version": 2, "ok": ok});
+            (&s).write_all(format!("{reply}\n").as_bytes()).unwrap();
+        }
+        ops
+    });
+    (path, seen)
+}
+
+#[test]
+fn test_migrate_destination_hangs_up_in_load_cli_settles_source_serves_with_state() {
+    let a = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
+    let drawn = draw_and_leave(&a);
+    let (to, seen) = hang_up_destination(a.dir.path());
+    let e = a.fail(&["migrate", UUID, "--to", to.to_str().unwrap()]);
+    assert!(e.contains("the source serves the instance again"), "{e}");
+    assert_eq!(
+        seen.join().unwrap(),
+        ["types", "migrate_load", "list", "list"]
+    );
+    let row = a.instance(UUID).expect("served again");
+    assert_eq!(
+        (row["defined"].clone(), row["autostart"].clone()),
+        (true.into(), true.into())
+    );
+    assert!(definition(&a, UUID).unwrap().get("migrating_to").is_none());
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    assert_eq!(read_back(&mut vmm), drawn, "the state kept");
+}

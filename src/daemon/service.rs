@@ -21,6 +21,14 @@
 //!   store loaded at startup plus what this daemon wrote since, each written to its file
 //!   before it is reported; a failed write leaves neither (a `create --auto` whose
 //!   definition cannot be written stops the instance again).
+//! - **A handed-over instance is served by no one here.** `migrate_save` (without
+//!   `keep_source`) marks the definition first (`migrating_to`, written before anything
+//!   else), then removes the instance, then keeps its state; a marked definition is never
+//!   started (autostart, `start`), and the UUID is refused to `create`/`define` with
+//!   `migrating_out`, until `migrate_finish` (state and definition forgotten),
+//!   `migrate_abort` (served again with the kept state, or from the definition after a
+//!   restart lost the state) or `remove` settles it. So a migration cut short never leaves
+//!   two daemons serving the UUID.
 //! - Definitions take no resources while they are not running (as mdevctl's do not): a
 //!   `start` can fail with `exhausted`; an autostart that fails is logged and reported by
 //!   `list --defined` until the instance starts.
@@ -703,12 +711,10 @@ impl Service {
         }
     }
 
-    /// The UUID is free for a new definition or instance: no definition (readable or
-    /// broken) and no running instance.
+    /// The UUID is free for a new definition or instance: not handed over, no definition
+    /// (readable or broken) and no running instance.
     fn check_free(&self, uuid: &str, op: Op) -> Result<(), ControlError> {
-        if lock(&self.outgoing).contains_key(uuid) {
-            return Err(self.check_not_outgoing(uuid).unwrap_err());
-        }
+        self.check_not_outgoing(uuid)?;
         let defs = lock(&self.defs);
         let in_use = |why: String| ControlError::new(ErrorKind::UuidInUse, why);
         if defs.defined.contains_key(uuid) {
