@@ -425,7 +425,12 @@ impl Service {
                 }
             }
         };
-        let type_spec = format!("{}/{}", info.parent, info.type_name);
+        let outgoing = Outgoing {
+            type_spec: format!("{}/{}", info.parent, info.type_name),
+            params: info.params.clone(),
+            state: state.clone(),
+            to,
+        };
         match self.registry.remove(uuid, false) {
             Ok(report) if !report.client_was_attached => {}
             Ok(_) => {
@@ -436,11 +441,22 @@ impl Service {
                     "migration: a client attached while the instance was handed over; it \
                      serves on here"
                 );
-                let restored =
-                    self.registry
-                        .create_with_state(&type_spec, uuid, &info.params, state);
+                let restored = self.registry.create_with_state(
+                    &outgoing.type_spec,
+                    uuid,
+                    &outgoing.params,
+                    state,
+                );
+                if let Err(e) = restored {
+                    // Kept as handed over (marked, state kept): `--recover` serves it again.
+                    let to = outgoing.to.display().to_string();
+                    lock(&self.outgoing).insert(uuid.to_owned(), outgoing);
+                    return Err(instance_error(e, Op::Migrate, uuid).hint(format!(
+                        "its state is kept here: `umdev migrate {uuid} --to {to} --recover` \
+                         serves it again once the cause is gone"
+                    )));
+                }
                 unmark();
-                restored.map_err(|e| instance_error(e, Op::Migrate, uuid))?;
                 return Err(instance_error(
                     InstanceError::Attached(uuid.to_owned()),
                     Op::Migrate,
@@ -452,15 +468,7 @@ impl Service {
                 return Err(instance_error(e, Op::Migrate, uuid));
             }
         }
-        lock(&self.outgoing).insert(
-            uuid.to_owned(),
-            Outgoing {
-                type_spec,
-                params: info.params.clone(),
-                state: state.clone(),
-                to,
-            },
-        );
+        lock(&self.outgoing).insert(uuid.to_owned(), outgoing);
         Ok(())
     }
 
