@@ -547,15 +547,15 @@ fn test_daemon_answers_other_protocol_version_with_clear_error() {
         serde_json::from_str::<Value>(answer.trim_end()).unwrap()
     };
     let v = ask("{\"version\":999,\"request\":{\"op\":\"frobnicate\",\"x\":[1]}}\n");
-    assert_eq!(v["version"], 1);
+    assert_eq!(v["version"], 2);
     assert_eq!(v["error"]["kind"], "version_mismatch", "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("version 1") && msg.contains("999"), "{msg}");
-    let v = ask("{\"version\":1,\"request\":{\"op\":\"frobnicate\"}}\n");
+    assert!(msg.contains("version 2") && msg.contains("999"), "{msg}");
+    let v = ask("{\"version\":2,\"request\":{\"op\":\"frobnicate\"}}\n");
     assert_eq!(v["error"]["kind"], "bad_request", "{v}");
     let v = ask("not json\n");
     assert_eq!(v["error"]["kind"], "bad_request", "{v}");
-    let v = ask("{\"version\":1,\"request\":{\"op\":\"list\"}}\n");
+    let v = ask("{\"version\":2,\"request\":{\"op\":\"list\"}}\n");
     assert!(v["ok"]["instances"].as_array().unwrap().is_empty(), "{v}");
 }
 
@@ -623,4 +623,152 @@ fn test_daemon_gpu_engine_thread_keeps_daemons_nice_by_default_flag_lowers_it() 
     assert!(!out.status.success());
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("\"20\" is not a nice value"), "{e}");
+}
+
+#[test]
+fn test_daemon_relative_socket_dir_qemu_line_and_paths_absolute() {
+    let d = Daemon::start_relative(&[]);
+    let sockets = fs::canonicalize(d.sockets()).unwrap();
+    let text = d.ok(&["create", "--type", "gpu-4m"]);
+    let uuid = text.split_whitespace().nth(1).unwrap().to_owned();
+    let socket = sockets.join(format!("{uuid}.sock"));
+    assert!(socket.is_absolute());
+    assert!(
+        text.contains(&format!(r#""path":"{}""#, socket.display())),
+        "{text}"
+    );
+    let listed = instances(&d);
+    assert_eq!(listed[0]["socket"], socket.to_str().unwrap(), "{listed:?}");
+    let defined = d.json(&["define", "--type", "gpu-4m"]);
+    let path = PathBuf::from(defined["definition"]["path"].as_str().unwrap());
+    assert!(path.is_absolute(), "{defined}");
+    assert!(path.starts_with(fs::canonicalize(d.state()).unwrap()));
+    let log = d.log();
+    assert!(
+        log.contains(&format!(
+            "control={}",
+            sockets.join("control.sock").display()
+        )),
+        "{log}"
+    );
+}
+
+/// Connect to the control socket and send `byte` every `every` from another thread until
+/// the daemon closes; returns how long the daemon kept the connection and what it said.
+fn trickle(d: &Daemon, byte: u8, every: Duration, at_most: Duration) -> (Duration, String) {
+    let s = UnixStream::connect(d.control()).unwrap();
+    let mut writer = s.try_clone().unwrap();
+    let t0 = Instant::now();
+    let feeder = std::thread::spawn(move || {
+        while t0.elapsed() < at_most && writer.write_all(&[byte]).is_ok() {
+            std::thread::sleep(every);
+        }
+    });
+    let mut reader = s;
+    reader.set_read_timeout(Some(at_most * 2)).unwrap();
+    let mut answer = String::new();
+    let _ = reader.read_to_string(&mut answer);
+    let held = t0.elapsed();
+    feeder.join().unwrap();
+    (held, answer)
+}
+
+#[test]
+fn test_daemon_control_trickling_peer_cut_off_at_request_deadline() {
+    let d = Daemon::start(&["--control-timeout", "1"]);
+    // A byte every 100 ms keeps every single read well within any per-read timeout.
+    let (held, answer) = trickle(&d, b' ', Duration::from_millis(100), Duration::from_secs(4));
+    assert!(
+        held < Duration::from_millis(2500),
+        "held {held:?}: {answer}"
+    );
+    assert!(
+        held >= Duration::from_millis(900),
+        "held {held:?}: {answer}"
+    );
+    let v: Value = serde_json::from_str(answer.trim_end()).unwrap();
+    assert_eq!(v["error"]["kind"], "bad_request", "{v}");
+    assert!(answer.contains("deadline"), "{answer}");
+    // The slot is free: a request is answered.
+    d.ok(&["list"]);
+    // A migrate_load whose state trickles is cut off too (its payload has its own time).
+    let s = UnixStream::connect(d.control()).unwrap();
+    let mut w = &s;
+    w.write_all(
+        b"{\"version\":2,\"request\":{\"op\":\"migrate_load\",\"uuid\":\"00000000-0000-4000-8000-0000000000d1\",\"type\":\"gpu/gpu-4m\",\"state_len\":1000}}\n",
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let mut answer = String::new();
+    let mut r = &s;
+    r.read_to_string(&mut answer).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    assert!(
+        answer.contains("reading the payload: the request's deadline passed"),
+        "{answer}"
+    );
+}
+
+#[test]
+fn test_daemon_control_out_of_fds_accept_backs_off_then_recovers() {
+    let mut d = Daemon::unstarted(&["--control-timeout", "2"]);
+    // Room for the daemon's own files and a few connections, not for 80.
+    d.nofile = Some(48);
+    d.restart();
+    let peers: Vec<UnixStream> = (0..80)
+        .filter_map(|_| UnixStream::connect(d.control()).ok())
+        .collect();
+    assert!(peers.len() > 48, "{} peers connected", peers.len());
+    std::thread::sleep(Duration::from_millis(1500));
+    let failed = d.log().matches("accept failed").count();
+    assert!(
+        (1..=2).contains(&failed),
+        "{failed} lines of accept failures in 1.5 s:\n{}",
+        d.log()
+    );
+    drop(peers);
+    // The slots and fds come back (the peers' connections end or time out).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = d.umdev(&["list"]);
+        if out.status.success() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the daemon never answered again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn test_daemon_control_payload_budget_second_large_state_unavailable() {
+    let d = Daemon::start(&["--control-timeout", "5"]);
+    let largest = umdev::migration::stream::MAX_FRAME as u64 + 4096;
+    let load = |uuid: &str| {
+        let s = UnixStream::connect(d.control()).unwrap();
+        let req = serde_json::json!({"version": 2, "request": {
+            "op": "migrate_load", "uuid": uuid, "type": "gpu/gpu-4m", "state_len": largest}});
+        (&s).write_all(format!("{req}\n").as_bytes()).unwrap();
+        s
+    };
+    // The first announces the largest state and sends none of it: the budget is its.
+    let first = load("00000000-0000-4000-8000-0000000000e1");
+    std::thread::sleep(Duration::from_millis(200));
+    let second = load("00000000-0000-4000-8000-0000000000e2");
+    second
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut answer = String::new();
+    (&second).read_to_string(&mut answer).unwrap();
+    let v: Value = serde_json::from_str(answer.trim_end()).unwrap();
+    assert_eq!(v["error"]["kind"], "unavailable", "{v}");
+    assert!(answer.contains("receiving other states"), "{answer}");
+    drop(first);
+    // Given back when the first connection ends.
+    std::thread::sleep(Duration::from_millis(300));
+    let third = load("00000000-0000-4000-8000-0000000000e3");
+    (&third).write_all(b"short").unwrap();
+    third.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut answer = String::new();
+    (&third).read_to_string(&mut answer).unwrap();
+    assert!(answer.contains("cut short: 5 of"), "{answer}");
 }

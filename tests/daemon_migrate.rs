@@ -284,7 +284,7 @@ fn test_migrate_errors_leave_both_daemons_unchanged() {
 /// and the payload after it.
 fn raw(control: &Path, request: Value, payload: &[u8]) -> (Value, Vec<u8>) {
     let mut s = UnixStream::connect(control).unwrap();
-    let req = serde_json::json!({ "version": 1, "request": request });
+    let req = serde_json::json!({ "version": 2, "request": request });
     s.write_all(format!("{req}\n").as_bytes()).unwrap();
     s.write_all(payload).unwrap();
     let mut all = Vec::new();
@@ -306,54 +306,228 @@ fn raw_load(control: &Path, state: &[u8]) -> (String, String) {
     )
 }
 
+/// What `list --defined` says of `uuid` on `d`.
+fn definition(d: &Daemon, uuid: &str) -> Option<Value> {
+    d.json(&["list", "--defined"])["definitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["uuid"] == uuid)
+        .cloned()
+}
+
+/// `migrate_save` of `UUID` by hand, handed over to `to`; returns the reply and the state.
+fn raw_save(src: &Daemon, to: &Path) -> (Value, Vec<u8>) {
+    let (v, state) = raw(
+        &src.control(),
+        serde_json::json!({"op": "migrate_save", "uuid": UUID, "to": to}),
+        &[],
+    );
+    assert_eq!(v["ok"]["reply"], "saved", "{v}");
+    assert_eq!(v["ok"]["handed_over"], true, "{v}");
+    assert_eq!(v["ok"]["state_len"].as_u64(), Some(state.len() as u64));
+    (v, state)
+}
+
+/// Draw into `UUID` on `d` and leave; returns the registers and framebuffer drawn.
+fn draw_and_leave(d: &Daemon) -> (Vec<u32>, Vec<u8>) {
+    let mut vmm = Vmm::connect(&d.socket(UUID))
+        .unwrap()
+        .with_ram(RAM_BASE, 1 << 20)
+        .unwrap();
+    vmm.enable_device().unwrap();
+    let drawn = draw(&mut vmm, 5);
+    drop(vmm);
+    d.wait_detached(UUID);
+    drawn
+}
+
+fn recover(src: &Daemon, dst: &Daemon) -> String {
+    src.ok(&[
+        "migrate",
+        UUID,
+        "--to",
+        dst.control().to_str().unwrap(),
+        "--recover",
+    ])
+}
+
 #[test]
-fn test_migrate_finish_refused_when_state_changed_or_client_attached() {
+fn test_migrate_save_hands_over_abort_serves_state_again_finish_forgets() {
     let a = Daemon::start(&[]);
     a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
-    let (v, state) = raw(
+    let socket = a.socket(UUID);
+    let drawn = draw_and_leave(&a);
+    let to = Path::new("/elsewhere/control.sock");
+    raw_save(&a, to);
+    // Handed over: not served here any more, its definition marked and never started.
+    assert!(a.instance(UUID).is_none());
+    assert!(!socket.exists(), "the socket is gone");
+    let def = definition(&a, UUID).unwrap();
+    assert_eq!(def["migrating_to"], to.to_str().unwrap(), "{def}");
+    assert_eq!(def["autostart"], true, "{def}");
+    let table = a.ok(&["list", "--defined"]);
+    assert!(
+        table.contains("migrating out") && table.contains("--recover"),
+        "{table}"
+    );
+    for args in [
+        &["start", UUID][..],
+        &["create", "--type", "gpu-4m", "--uuid", UUID][..],
+    ] {
+        let e = a.fail(args);
+        assert!(
+            e.contains("was handed over") && e.contains("--recover"),
+            "{e}"
+        );
+    }
+    let (v, _) = raw(
         &a.control(),
         serde_json::json!({"op": "migrate_save", "uuid": UUID}),
         &[],
     );
-    let saved = &v["ok"];
-    assert_eq!(saved["reply"], "saved", "{v}");
-    assert_eq!(saved["state_len"].as_u64(), Some(state.len() as u64));
-    let digest = saved["digest"].clone();
-    let finish = serde_json::json!({"op": "migrate_finish", "uuid": UUID, "digest": digest});
-    // A client attached since the save: refused, the instance stays.
-    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
-    let (v, _) = raw(&a.control(), finish.clone(), &[]);
-    assert_eq!(v["error"]["kind"], "attached", "{v}");
-    // It changed the mode and left: refused, the instance and its definition stay.
-    vmm.write32(0, regs::REG_MODE_WIDTH, 32).unwrap();
+    assert_eq!(v["error"]["kind"], "migrating_out", "{v}");
+
+    // Aborted: served again with the state it had, the mark gone.
+    let (v, _) = raw(
+        &a.control(),
+        serde_json::json!({"op": "migrate_abort", "uuid": UUID}),
+        &[],
+    );
+    assert_eq!(v["ok"]["reply"], "started", "{v}");
+    let mut vmm = Vmm::connect(&socket).unwrap();
+    assert_eq!(read_back(&mut vmm), drawn, "the state kept");
     drop(vmm);
     a.wait_detached(UUID);
+    let def = definition(&a, UUID).unwrap();
+    assert!(def.get("migrating_to").is_none(), "{def}");
+
+    // Finished: the state and the definition forgotten.
+    raw_save(&a, to);
+    let finish = serde_json::json!({"op": "migrate_finish", "uuid": UUID});
+    let (v, _) = raw(&a.control(), finish.clone(), &[]);
+    assert_eq!(v["ok"]["reply"], "removed", "{v}");
+    assert!(a.instance(UUID).is_none());
+    assert!(definition(&a, UUID).is_none());
     let (v, _) = raw(&a.control(), finish, &[]);
     assert_eq!(v["error"]["kind"], "migration", "{v}");
     assert!(
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("changed while it was migrated"),
+            .contains("not handed over"),
         "{v}"
     );
-    let row = a.instance(UUID).expect("the source keeps it");
-    assert_eq!(row["defined"], true);
-    // Unchanged since a new save: removed with its definition.
-    let (v, _) = raw(
+}
+
+#[test]
+fn test_migrate_interrupted_after_load_one_daemon_serves_recover_removes_source_leftover() {
+    let mut a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
+    let drawn = draw_and_leave(&a);
+    // The CLI's steps by hand, killed before `migrate_finish`.
+    let (_, state) = raw_save(&a, &b.control());
+    let request = serde_json::json!({
+        "op": "migrate_load", "uuid": UUID, "type": "gpu/gpu-4m", "define": true,
+        "autostart": true, "state_len": state.len(),
+    });
+    let (v, _) = raw(&b.control(), request, &state);
+    assert_eq!(v["ok"]["reply"], "started", "{v}");
+    // One daemon serves it: the destination.
+    assert!(a.instance(UUID).is_none(), "the source serves it too");
+    let mut vmm = Vmm::connect(&b.socket(UUID)).unwrap();
+    assert_eq!(read_back(&mut vmm), drawn);
+    drop(vmm);
+    b.wait_detached(UUID);
+    // A restart of the source does not start its leftover, autostart or not.
+    a.stop();
+    a.restart();
+    assert!(a.instance(UUID).is_none(), "the source started it again");
+    assert!(a.log().contains("autostart: not started"), "{}", a.log());
+    assert!(definition(&a, UUID).unwrap()["migrating_to"].is_string());
+
+    let out = recover(&a, &b);
+    assert!(
+        out.contains("the destination") && out.contains("has it"),
+        "{out}"
+    );
+    assert!(definition(&a, UUID).is_none(), "the leftover is gone");
+    assert!(a.instance(UUID).is_none());
+    assert_eq!(b.instance(UUID).unwrap()["defined"], true);
+}
+
+#[test]
+fn test_migrate_interrupted_after_save_nobody_serves_recover_serves_source_with_state() {
+    let a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID]);
+    let drawn = draw_and_leave(&a);
+    // The CLI killed while the state arrives: it reads the reply's line and goes.
+    let mut s = UnixStream::connect(a.control()).unwrap();
+    let req = serde_json::json!({"version": 2, "request":
+        {"op": "migrate_save", "uuid": UUID, "to": b.control()}});
+    s.write_all(format!("{req}\n").as_bytes()).unwrap();
+    let mut first = [0u8; 64];
+    s.read_exact(&mut first).unwrap();
+    drop(s);
+    assert!(a.instance(UUID).is_none());
+    assert!(b.instance(UUID).is_none());
+    let out = recover(&a, &b);
+    assert!(out.contains("the source serves it again"), "{out}");
+    assert!(b.instance(UUID).is_none());
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    assert_eq!(read_back(&mut vmm), drawn, "the state kept");
+    drop(vmm);
+    // Nothing left to settle.
+    let e = a.fail(&[
+        "migrate",
+        UUID,
+        "--to",
+        b.control().to_str().unwrap(),
+        "--recover",
+    ]);
+    assert!(
+        e.contains("not handed over") && e.contains("runs here"),
+        "{e}"
+    );
+}
+
+#[test]
+fn test_migrate_source_restarted_after_save_recover_starts_definition_remove_drops_it() {
+    let mut a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
+    raw_save(&a, &b.control());
+    a.stop();
+    a.restart();
+    assert!(a.instance(UUID).is_none());
+    let out = recover(&a, &b);
+    assert!(out.contains("the source serves it again"), "{out}");
+    let row = a.instance(UUID).expect("started from its definition");
+    assert_eq!(
+        (row["defined"].clone(), row["autostart"].clone()),
+        (true.into(), true.into())
+    );
+    assert!(a.log().contains("its state is lost"), "{}", a.log());
+    // `umdev remove` drops a leftover too (here the kept state of a transient one).
+    let other = "00000000-0000-4000-8000-0000000000b9";
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", other]);
+    raw(
         &a.control(),
-        serde_json::json!({"op": "migrate_save", "uuid": UUID}),
+        serde_json::json!({"op": "migrate_save", "uuid": other, "to": b.control()}),
         &[],
     );
-    let finish =
-        serde_json::json!({"op": "migrate_finish", "uuid": UUID, "digest": v["ok"]["digest"]});
-    let (v, _) = raw(&a.control(), finish, &[]);
-    assert_eq!(v["ok"]["reply"], "removed", "{v}");
-    assert!(a.instance(UUID).is_none());
-    assert!(a.json(&["list", "--defined"])["definitions"]
-        .as_array()
-        .unwrap()
-        .is_empty());
+    assert!(a.instance(other).is_none());
+    a.ok(&["remove", other]);
+    let e = a.fail(&[
+        "migrate",
+        other,
+        "--to",
+        b.control().to_str().unwrap(),
+        "--recover",
+    ]);
+    assert!(e.contains("not handed over"), "{e}");
 }
 
 #[test]
@@ -484,4 +658,61 @@ fn test_migrate_ccw_named_image_keeps_registers_default_image_refused() {
         "{e}"
     );
     assert_eq!([a.snapshot(), b.snapshot()], before);
+}
+
+/// A destination that answers `types`, takes a `migrate_load` and hangs up without an
+/// answer (as if it crashed in the step), then lists no instance and no definition: the CLI
+/// cannot tell what the load did, and has to look. Returns its socket and the ops it saw.
+fn hang_up_destination(dir: &Path) -> (PathBuf, std::thread::JoinHandle<Vec<String>>) {
+    use std::io::BufRead;
+    let path = dir.join("hang-up.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let seen = std::thread::spawn(move || {
+        let mut ops = Vec::new();
+        for _ in 0..4 {
+            let (s, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(&s).read_line(&mut line).unwrap();
+            let v: Value = serde_json::from_str(&line).unwrap();
+            let op = v["request"]["op"].as_str().unwrap().to_owned();
+            let ok = match (op.as_str(), v["request"]["defined"].as_bool()) {
+                ("types", _) => serde_json::json!({"reply": "types", "types": [], "resources": []}),
+                ("list", Some(true)) => {
+                    serde_json::json!({"reply": "definitions", "definitions": [], "broken": []})
+                }
+                ("list", _) => serde_json::json!({"reply": "instances", "instances": []}),
+                _ => {
+                    ops.push(op);
+                    continue; // hang up
+                }
+            };
+            ops.push(op);
+            let reply = serde_json::json!({"version": 2, "ok": ok});
+            (&s).write_all(format!("{reply}\n").as_bytes()).unwrap();
+        }
+        ops
+    });
+    (path, seen)
+}
+
+#[test]
+fn test_migrate_destination_hangs_up_in_load_cli_settles_source_serves_with_state() {
+    let a = Daemon::start(&[]);
+    a.ok(&["create", "--type", "gpu-4m", "--uuid", UUID, "--auto"]);
+    let drawn = draw_and_leave(&a);
+    let (to, seen) = hang_up_destination(a.dir.path());
+    let e = a.fail(&["migrate", UUID, "--to", to.to_str().unwrap()]);
+    assert!(e.contains("the source serves the instance again"), "{e}");
+    assert_eq!(
+        seen.join().unwrap(),
+        ["types", "migrate_load", "list", "list"]
+    );
+    let row = a.instance(UUID).expect("served again");
+    assert_eq!(
+        (row["defined"].clone(), row["autostart"].clone()),
+        (true.into(), true.into())
+    );
+    assert!(definition(&a, UUID).unwrap().get("migrating_to").is_none());
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    assert_eq!(read_back(&mut vmm), drawn, "the state kept");
 }

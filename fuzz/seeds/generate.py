@@ -41,7 +41,7 @@ cmds = [
 caps = b'{"capabilities":{"max_msg_fds":16,"twin_socket":{"supported":true},' \
        b'"write_multiple":true,"pgsizes":4096}}'
 version = b'\0\0\0\0' + caps + b'\0'
-for d in ('server_stream', 'protocol_decode'):
+for d in ('server_stream', 'protocol_decode', 'control_decode'):
     os.makedirs(os.path.join(HERE, d), exist_ok=True)
 
 
@@ -85,3 +85,17 @@ start = frame(0, varint(len(fmt)) + fmt + varint(1))
 stream = start + frame(1, b'precopy chunk') + frame(2, b'state bytes') + frame(3, b'')
 # protocol_decode: the payload doubles as a migration stream.
 put('protocol_decode', 'mig_stream', msg(30, 18, b'')[:16] + b'\x00' + stream)
+
+# control_decode: byte 0 is the reader's buffer size (0: 8 KiB); then a control request
+# line (and its payload), or a response line.
+put('control_decode', 'list', b'\x00{"version":2,"request":{"op":"list","defined":true}}\n')
+put('control_decode', 'create', b'\x07{"version":2,"request":{"op":"create","type":"gpu-4m",'
+    b'"uuid":null,"params":{"k":"v"},"auto":true}}\n')
+put('control_decode', 'migrate_load', b'\x03{"version":2,"request":{"op":"migrate_load",'
+    b'"uuid":"00000000-0000-4000-8000-0000000000b1","type":"gpu/gpu-4m","state_len":%d}}\n'
+    % len(stream) + stream)
+put('control_decode', 'old_version', b'\x00{"version":9,"request":{"op":"frobnicate"}}\n')
+put('control_decode', 'saved_reply', b'\x01{"version":2,"ok":{"reply":"saved","instance":'
+    b'{"uuid":"u","parent":"gpu","type":"gpu-4m","params":{},"socket":"/s","client_attached":'
+    b'false,"defined":true,"autostart":false,"dma":{"maps":0,"pinned_pages":0,"locked_pages":0,'
+    b'"leaked_pins_released":0}},"state_len":5,"handed_over":true}}\nstate')

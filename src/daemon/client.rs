@@ -133,19 +133,22 @@ pub enum ClientCommand {
     /// Move a running instance to another daemon, with its device state.
     ///
     /// Without a client attached, its state (registers, framebuffer and GTT of a GPU;
-    /// registers and sense of a ccw device) is saved on this daemon, the destination creates
-    /// the same UUID, type and parameters with that state, and only then is the instance
-    /// removed here, its definition (autostart kept) moved with it. Any failure before that
-    /// leaves it here as it was. An instance with a client attached can only be migrated by
-    /// its VMM, which owns the guest RAM and interrupts: --prepare creates the destination
-    /// instance for the VMM to migrate into.
+    /// registers and sense of a ccw device) is saved on this daemon and the instance handed
+    /// over (no longer served here, its state kept), the destination creates the same UUID,
+    /// type and parameters with that state, and then this daemon forgets it, its definition
+    /// (autostart kept) moved with it. If the destination refuses, the instance is served
+    /// here again as it was. At most one daemon serves the UUID at any moment; a migration
+    /// cut short is settled by --recover. An instance with a client attached can only be
+    /// migrated by its VMM, which owns the guest RAM and interrupts: --prepare creates the
+    /// destination instance for the VMM to migrate into.
     #[command(after_help = "\
 Example, between a daemon on the default control socket and one started with
 `umdev daemon --socket-dir /run/umdev-b --state-dir /var/lib/umdev-b`:
   umdev migrate 6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11 --to /run/umdev-b/control.sock
 
 The source daemon is the one of --control (or UMDEV_CONTROL, or the default), as for the
-other commands.")]
+other commands. A migration cut short (the command killed, a daemon restarted) is settled by
+  umdev migrate 6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11 --to /run/umdev-b/control.sock --recover")]
     Migrate(super::migrate::MigrateArgs),
 }
 
@@ -285,7 +288,9 @@ pub fn call_with_payload(
         (Some(reply), None) => {
             let payload =
                 protocol::read_payload(&mut reader, reply.payload_len()).map_err(|e| match e {
-                    protocol::FrameError::Io(source) => io("reading the answer's payload")(source),
+                    protocol::FrameError::Io(source) | protocol::FrameError::PayloadIo(source) => {
+                        io("reading the answer's payload")(source)
+                    }
                     other => protocol_err(other.to_string()),
                 })?;
             Ok((reply, payload))

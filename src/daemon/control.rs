@@ -3,10 +3,9 @@
 //! # Model
 //! One accept thread polls the listener and a wake-up eventfd. Each accepted connection is
 //! handled on a thread of its own (a removal may wait for a client for seconds; other
-//! requests are not held up meanwhile): read one request (at most
-//! [`protocol::MAX_MESSAGE`] bytes, waited for at most [`protocol::REQUEST_TIMEOUT`]) and the
-//! payload it announces (`migrate_load`'s state), check the version, answer (a `saved`
-//! reply with its payload), close.
+//! requests are not held up meanwhile): read one request ([`protocol::decode_header`]: at
+//! most [`protocol::MAX_MESSAGE`] bytes) and the payload it announces (`migrate_load`'s
+//! state), answer (a `saved` reply with its payload), close.
 //!
 //! # Invariants
 //! - The socket is created with mode 0600 by the server module's [`SocketListener`] (bound
@@ -14,14 +13,27 @@
 //!   applies; a live daemon's socket is never replaced; a stale one is). Its directory is
 //!   checked private by the caller. A peer whose uid is neither ours nor root's (possible
 //!   only if someone loosened the mode) is refused.
+//! - **A deadline per request, not a timeout per read.** The whole message must arrive
+//!   within [`ControlConfig::request_timeout`] of the accept, its payload within
+//!   [`protocol::transfer_time`] more; the reply (and its payload) must be taken within the
+//!   same bounds from when it is ready. Every read and write is given what is left of its
+//!   deadline; a peer that trickles bytes or stops reading is cut off when it runs out, and
+//!   its slot is free again. Handling in between is bounded by the service's own waits
+//!   (a removal's `--release-timeout` and teardown).
 //! - At most [`MAX_CONNECTIONS`] connections are handled at once; the next one gets an
 //!   `unavailable` error and is closed.
+//! - **Payload memory is budgeted.** The payloads being received at once total at most
+//!   [`PAYLOAD_BUDGET`] bytes (counted as announced, before any is read); a request that
+//!   would go over gets `unavailable`. Each payload's buffer grows as its bytes arrive.
+//! - A failing accept (EMFILE: the process is out of fds) does not spin: the loop backs off
+//!   (10 ms doubling to 1 s, reset by the next accept) and logs at most once per 10 s, with
+//!   the number of failures since the last line.
 //! - [`Control::stop`] stops accepting, then waits (bounded) for the connections in hand.
 
-use std::io::Write;
+use std::io::{self, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -30,19 +42,156 @@ use tracing::{debug, info, warn};
 use umdev::server::listener::SocketListener;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::protocol::{
-    self, ControlError, ErrorKind, FrameError, Request, RequestEnvelope, Response, PROTOCOL_VERSION,
-};
-use super::service::Service;
+use super::protocol::{self, ControlError, DecodeError, ErrorKind, FrameError, Response};
+use super::service::{Payload, Service};
 
 /// Connections handled at once.
 pub const MAX_CONNECTIONS: usize = 64;
+/// The payload bytes received at once, over all connections: one state of the largest size.
+pub const PAYLOAD_BUDGET: u64 = protocol::MAX_PAYLOAD;
+
+/// How the control server bounds its peers.
+#[derive(Clone, Copy, Debug)]
+pub struct ControlConfig {
+    /// How long a peer has to send its whole request message, and to take the reply.
+    pub request_timeout: Duration,
+}
+
+impl Default for ControlConfig {
+    fn default() -> ControlConfig {
+        ControlConfig {
+            request_timeout: protocol::REQUEST_TIMEOUT,
+        }
+    }
+}
 
 /// The running control server.
 pub struct Control {
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
     in_flight: Arc<AtomicUsize>,
+}
+
+/// What every request thread shares.
+#[derive(Clone)]
+struct Shared {
+    service: Arc<Service>,
+    config: ControlConfig,
+    /// Payload bytes announced by the requests being received ([`PAYLOAD_BUDGET`]).
+    payload_in_hand: Arc<AtomicU64>,
+}
+
+/// A share of [`PAYLOAD_BUDGET`], given back on drop.
+struct PayloadGrant {
+    in_hand: Arc<AtomicU64>,
+    len: u64,
+}
+
+impl PayloadGrant {
+    fn take(in_hand: &Arc<AtomicU64>, len: u64) -> Option<PayloadGrant> {
+        in_hand
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(len).filter(|&t| t <= PAYLOAD_BUDGET)
+            })
+            .ok()?;
+        Some(PayloadGrant {
+            in_hand: in_hand.clone(),
+            len,
+        })
+    }
+}
+
+impl Drop for PayloadGrant {
+    fn drop(&mut self) {
+        self.in_hand.fetch_sub(self.len, Ordering::AcqRel);
+    }
+}
+
+/// A connection whose reads and writes share a deadline: each is given what is left of it,
+/// and fails with `TimedOut` once nothing is.
+struct Timed<'a> {
+    stream: &'a UnixStream,
+    deadline: Instant,
+}
+
+impl Timed<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the request's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+
+    /// A timeout of the socket (`EAGAIN`) said as the deadline it is.
+    fn deadline_error(e: io::Error) -> io::Error {
+        match e.kind() {
+            io::ErrorKind::WouldBlock => {
+                io::Error::new(io::ErrorKind::TimedOut, "the request's deadline passed")
+            }
+            _ => e,
+        }
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&*self.stream).read(buf).map_err(Timed::deadline_error)
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&*self.stream).write(buf).map_err(Timed::deadline_error)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// How the accept loop waits after a failed accept, and when it says so (see the module
+/// doc).
+#[derive(Debug, Default)]
+struct AcceptBackoff {
+    delay: Duration,
+    failures: u64,
+    last_log: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_secs(1);
+    const LOG_EVERY: Duration = Duration::from_secs(10);
+
+    /// An accept failed at `now`: how long to wait, and the failures to log (since the last
+    /// line) if a line is due.
+    fn failed(&mut self, now: Instant) -> (Duration, Option<u64>) {
+        self.delay = if self.delay.is_zero() {
+            Self::FIRST
+        } else {
+            (self.delay * 2).min(Self::MAX)
+        };
+        self.failures += 1;
+        let due = self
+            .last_log
+            .is_none_or(|t| now.duration_since(t) >= Self::LOG_EVERY);
+        if !due {
+            return (self.delay, None);
+        }
+        self.last_log = Some(now);
+        (self.delay, Some(std::mem::take(&mut self.failures)))
+    }
+
+    /// An accept succeeded: the next failure waits briefly again.
+    fn succeeded(&mut self) {
+        self.delay = Duration::ZERO;
+    }
 }
 
 /// Counts a connection in hand while it lives.
@@ -56,15 +205,24 @@ impl Drop for InFlight {
 
 impl Control {
     /// Serve `listener` (already bound) with `service`.
-    pub fn spawn(listener: SocketListener, service: Arc<Service>) -> std::io::Result<Control> {
+    pub fn spawn(
+        listener: SocketListener,
+        service: Arc<Service>,
+        config: ControlConfig,
+    ) -> std::io::Result<Control> {
         listener.listener.set_nonblocking(true)?;
         let wake = Arc::new(EventFd::new(libc::EFD_CLOEXEC | libc::EFD_NONBLOCK)?);
         let in_flight = Arc::new(AtomicUsize::new(0));
+        let shared = Shared {
+            service,
+            config,
+            payload_in_hand: Arc::new(AtomicU64::new(0)),
+        };
         let thread = std::thread::Builder::new()
             .name("umdev-control".into())
             .spawn({
                 let (wake, in_flight) = (wake.clone(), in_flight.clone());
-                move || accept_loop(listener, &wake, &service, &in_flight)
+                move || accept_loop(listener, &wake, &shared, &in_flight)
             })?;
         Ok(Control {
             wake,
@@ -91,8 +249,9 @@ impl Control {
     }
 }
 
-/// Wait for the listener or the wake-up; true when woken.
-fn wait(listener: i32, wake: i32) -> std::io::Result<bool> {
+/// Wait for the listener (none: `-1`) or the wake-up, at most `timeout` (none: `-1`);
+/// true when woken.
+fn wait(listener: i32, wake: i32, timeout_ms: i32) -> std::io::Result<bool> {
     let mut fds = [
         libc::pollfd {
             fd: listener,
@@ -106,7 +265,7 @@ fn wait(listener: i32, wake: i32) -> std::io::Result<bool> {
         },
     ];
     // SAFETY: two valid pollfd entries, for the length given.
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
     if n < 0 {
         let e = std::io::Error::last_os_error();
         return match e.kind() {
@@ -120,12 +279,13 @@ fn wait(listener: i32, wake: i32) -> std::io::Result<bool> {
 fn accept_loop(
     listener: SocketListener,
     wake: &EventFd,
-    service: &Arc<Service>,
+    shared: &Shared,
     in_flight: &Arc<AtomicUsize>,
 ) {
     info!(path = %listener.path().display(), "control socket listening");
+    let mut backoff = AcceptBackoff::default();
     loop {
-        match wait(listener.listener.as_raw_fd(), wake.as_raw_fd()) {
+        match wait(listener.listener.as_raw_fd(), wake.as_raw_fd(), -1) {
             Ok(true) => break,
             Ok(false) => {}
             Err(e) => {
@@ -134,20 +294,37 @@ fn accept_loop(
             }
         }
         let stream = match listener.listener.accept() {
-            Ok((s, _)) => s,
+            Ok((s, _)) => {
+                backoff.succeeded();
+                s
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
-                warn!(error = %e, "control socket: accept failed");
-                // EMFILE and the like: do not spin on a listener that stays readable.
-                std::thread::sleep(Duration::from_millis(50));
+                // EMFILE and the like: the listener stays readable; do not spin on it.
+                let (delay, log) = backoff.failed(Instant::now());
+                if let Some(failures) = log {
+                    warn!(
+                        error = %e,
+                        failures,
+                        retry_ms = delay.as_millis() as u64,
+                        "control socket: accept failed (logged at most every 10 s)"
+                    );
+                }
+                let ms = i32::try_from(delay.as_millis()).unwrap_or(i32::MAX);
+                if matches!(wait(-1, wake.as_raw_fd(), ms), Ok(true)) {
+                    break;
+                }
                 continue;
             }
         };
         if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
             in_flight.fetch_sub(1, Ordering::AcqRel);
             warn!("control socket: {MAX_CONNECTIONS} connections in hand, one refused");
+            // Not to be held up by a peer that does not read: a short deadline.
+            let deadline = Instant::now() + Duration::from_millis(100);
             answer(
                 &stream,
+                deadline,
                 Err(ControlError::new(
                     ErrorKind::Unavailable,
                     format!("the daemon is handling {MAX_CONNECTIONS} requests; try again"),
@@ -156,12 +333,12 @@ fn accept_loop(
             continue;
         }
         let guard = InFlight(in_flight.clone());
-        let service = service.clone();
+        let shared = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("umdev-request".into())
             .spawn(move || {
                 let _guard = guard;
-                serve_one(&stream, &service);
+                serve_one(&stream, &shared);
             });
         if let Err(e) = spawned {
             // The closure (and its guard) was dropped: the count is back.
@@ -171,23 +348,35 @@ fn accept_loop(
     info!(path = %listener.path().display(), "control socket closed");
 }
 
-/// Write `result` as the response; a client that went away is only logged.
-fn answer(stream: &UnixStream, result: Result<protocol::Reply, ControlError>) {
-    answer_with(stream, result.map(|r| (r, Vec::new())));
+/// Write `result` as the response by `deadline`; a client that went away (or does not
+/// read) is only logged.
+fn answer(stream: &UnixStream, deadline: Instant, result: Result<protocol::Reply, ControlError>) {
+    answer_with(stream, deadline, result.map(|r| (r, Payload::default())));
 }
 
-/// Answer, then send the reply's payload (a migrated instance's state) if it has one.
-fn answer_with(mut stream: &UnixStream, result: Result<(protocol::Reply, Vec<u8>), ControlError>) {
+/// Answer, then send the reply's payload (a migrated instance's state) if it has one; the
+/// payload gets [`protocol::transfer_time`] beyond `deadline`.
+fn answer_with(
+    stream: &UnixStream,
+    deadline: Instant,
+    result: Result<(protocol::Reply, Payload), ControlError>,
+) {
     let (result, payload) = match result {
         Ok((r, p)) => (Ok(r), p),
-        Err(e) => (Err(e), Vec::new()),
+        Err(e) => (Err(e), Payload::default()),
     };
     let bytes = protocol::encode(&Response::of(result));
-    if let Err(e) = stream
-        .write_all(&bytes)
-        .and_then(|()| stream.write_all(&payload))
-    {
-        debug!(error = %e, "control: the client went away before the response");
+    let mut out = Timed {
+        stream,
+        deadline: deadline + protocol::transfer_time(payload.len() as u64),
+    };
+    if let Err(e) = out.write_all(&bytes).and_then(|()| out.write_all(&payload)) {
+        match e.kind() {
+            io::ErrorKind::TimedOut => {
+                warn!("control: the client did not take the response in time; disconnected")
+            }
+            _ => debug!(error = %e, "control: the client went away before the response"),
+        }
     }
 }
 
@@ -212,7 +401,9 @@ fn peer_uid(stream: &UnixStream) -> Option<u32> {
     (r == 0).then_some(cred.uid)
 }
 
-fn serve_one(stream: &UnixStream, service: &Service) {
+fn serve_one(stream: &UnixStream, shared: &Shared) {
+    let timeout = shared.config.request_timeout;
+    let reply_deadline = || Instant::now() + timeout;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     match peer_uid(stream) {
@@ -221,6 +412,7 @@ fn serve_one(stream: &UnixStream, service: &Service) {
             warn!(peer_uid = ?other, "control: a peer of another user refused");
             answer(
                 stream,
+                reply_deadline(),
                 Err(ControlError::new(
                     ErrorKind::Unavailable,
                     "the control socket serves only its owner",
@@ -229,68 +421,74 @@ fn serve_one(stream: &UnixStream, service: &Service) {
             return;
         }
     }
-    if let Err(e) = stream.set_read_timeout(Some(protocol::REQUEST_TIMEOUT)) {
-        warn!(error = %e, "control: cannot set the read timeout");
-        return;
-    }
     let bad = |why: String| Err(ControlError::new(ErrorKind::BadRequest, why));
-    let mut reader = std::io::BufReader::new(stream);
-    let message = match protocol::read_message(&mut reader) {
-        Ok(m) => m,
-        Err(FrameError::Empty) => return,
+    let mut reader = BufReader::new(Timed {
+        stream,
+        deadline: Instant::now() + timeout,
+    });
+    let request = match protocol::decode_header(&mut reader) {
+        Ok(r) => r,
+        Err(DecodeError::Frame(FrameError::Empty)) => return,
+        Err(DecodeError::Version(client)) => {
+            warn!(
+                client,
+                daemon = protocol::PROTOCOL_VERSION,
+                "control: protocol version mismatch"
+            );
+            let e = DecodeError::Version(client);
+            return answer(
+                stream,
+                reply_deadline(),
+                Err(
+                    ControlError::new(ErrorKind::VersionMismatch, e.to_string()).hint(
+                        "use the umdev binary the daemon runs, or restart the daemon with the \
+                         newer one",
+                    ),
+                ),
+            );
+        }
         Err(e) => {
             let why = super::service::chain(&e);
             warn!(error = %why, "control: unreadable request");
-            return answer(stream, bad(why));
+            return answer(stream, reply_deadline(), bad(why));
         }
     };
-    // The envelope first: a client of another version is told so, whatever its request.
-    let envelope: RequestEnvelope<serde_json::Value> = match serde_json::from_slice(&message) {
-        Ok(v) => v,
-        Err(e) => {
-            warn!(error = %e, "control: malformed request");
-            return answer(stream, bad(format!("malformed request: {e}")));
-        }
+    let len = request.payload_len();
+    let _grant = if len > 0 {
+        let Some(grant) = PayloadGrant::take(&shared.payload_in_hand, len) else {
+            warn!(
+                payload = len,
+                "control: payload budget in use by other requests, one refused"
+            );
+            return answer(
+                stream,
+                reply_deadline(),
+                Err(ControlError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "the daemon is receiving other states (at most {PAYLOAD_BUDGET} bytes at \
+                         once); try again"
+                    ),
+                )),
+            );
+        };
+        reader.get_mut().deadline += protocol::transfer_time(len);
+        Some(grant)
+    } else {
+        None
     };
-    if envelope.version != PROTOCOL_VERSION {
-        warn!(
-            client = envelope.version,
-            daemon = PROTOCOL_VERSION,
-            "control: protocol version mismatch"
-        );
-        return answer(
-            stream,
-            Err(ControlError::new(
-                ErrorKind::VersionMismatch,
-                format!(
-                    "this daemon speaks control protocol version {PROTOCOL_VERSION}, the client \
-                     version {}",
-                    envelope.version
-                ),
-            )
-            .hint(
-                "use the umdev binary the daemon runs, or restart the daemon with the newer one",
-            )),
-        );
-    }
-    let request: Request = match serde_json::from_value(envelope.request) {
-        Ok(r) => r,
-        Err(e) => {
-            warn!(error = %e, "control: malformed request");
-            return answer(stream, bad(format!("malformed request: {e}")));
-        }
-    };
-    let payload = match protocol::read_payload(&mut reader, request.payload_len()) {
+    let payload = match protocol::read_payload(&mut reader, len) {
         Ok(p) => p,
         Err(e) => {
             let why = super::service::chain(&e);
             warn!(error = %why, "control: unreadable request payload");
-            return answer(stream, bad(why));
+            return answer(stream, reply_deadline(), bad(why));
         }
     };
+    drop(reader);
     debug!(?request, payload = payload.len(), "control request");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        service.handle_with_payload(request, payload)
+        shared.service.handle_with_payload(request, payload)
     }))
     .unwrap_or_else(|_| {
         Err(ControlError::new(
@@ -301,5 +499,98 @@ fn serve_one(stream: &UnixStream, service: &Service) {
     if let Err(e) = &result {
         info!(kind = ?e.kind, error = %e.message, "control request refused");
     }
-    answer_with(stream, result);
+    answer_with(stream, reply_deadline(), result);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_accept_backoff_failures_wait_longer_and_log_rarely() {
+        let mut b = AcceptBackoff::default();
+        let t0 = Instant::now();
+        let (d, log) = b.failed(t0);
+        assert_eq!((d, log), (AcceptBackoff::FIRST, Some(1)));
+        let mut logged = 0;
+        let mut now = t0;
+        // Failing for 9 s more: waits grow to the cap, no second line yet.
+        for _ in 0..30 {
+            let (d, log) = b.failed(now);
+            assert!(d <= AcceptBackoff::MAX);
+            logged += u64::from(log.is_some());
+            now += d;
+            if now.duration_since(t0) >= Duration::from_secs(9) {
+                break;
+            }
+        }
+        assert_eq!(logged, 0);
+        assert_eq!(b.delay, AcceptBackoff::MAX);
+        let (_, log) = b.failed(t0 + Duration::from_secs(10));
+        assert!(
+            log.unwrap() > 1,
+            "the failures since the last line: {log:?}"
+        );
+        b.succeeded();
+        assert_eq!(
+            b.failed(t0 + Duration::from_secs(11)).0,
+            AcceptBackoff::FIRST
+        );
+    }
+
+    #[test]
+    fn test_timed_write_to_peer_not_reading_cut_off_at_deadline() {
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let t0 = Instant::now();
+        let mut out = Timed {
+            stream: &ours,
+            deadline: t0 + Duration::from_millis(200),
+        };
+        let e = out.write_all(&vec![0u8; 16 << 20]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn test_timed_read_of_trickle_cut_off_at_deadline_not_per_read() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let feeder = std::thread::spawn(move || {
+            let mut w = &theirs;
+            for _ in 0..20 {
+                if w.write_all(b"x").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let t0 = Instant::now();
+        let mut input = Timed {
+            stream: &ours,
+            deadline: t0 + Duration::from_millis(300),
+        };
+        let mut got = Vec::new();
+        let e = input.read_to_end(&mut got).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(700),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert!(!got.is_empty() && got.len() < 20, "{got:?}");
+        drop(ours);
+        feeder.join().unwrap();
+    }
+
+    #[test]
+    fn test_payload_grant_budget_shared_and_given_back() {
+        let in_hand = Arc::new(AtomicU64::new(0));
+        let a = PayloadGrant::take(&in_hand, PAYLOAD_BUDGET - 10).unwrap();
+        assert!(PayloadGrant::take(&in_hand, 11).is_none());
+        let b = PayloadGrant::take(&in_hand, 10).unwrap();
+        assert!(PayloadGrant::take(&in_hand, 1).is_none());
+        drop(a);
+        drop(b);
+        assert_eq!(in_hand.load(Ordering::Acquire), 0);
+        assert!(PayloadGrant::take(&in_hand, u64::MAX).is_none());
+    }
 }

@@ -12,6 +12,10 @@
 //! }
 //! ```
 //!
+//! A definition whose instance `umdev migrate` handed over to another daemon, not yet
+//! settled, also has `"migrating_to": "<that daemon's control socket>"`: it is not started
+//! (autostart included) until the migration is finished or aborted.
+//!
 //! # Invariants
 //! - **A file is whole or absent.** A definition is written to a temporary file in the same
 //!   directory (`.<uuid>.json.tmp`, mode 0600), fsynced, renamed over `<uuid>.json`, and the
@@ -64,6 +68,10 @@ pub struct Definition {
     /// Start it when the daemon starts.
     #[serde(default)]
     pub autostart: bool,
+    /// Handed over by `umdev migrate` to the daemon of this control socket, not yet
+    /// confirmed: never started (autostart included) until the migration is settled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrating_to: Option<PathBuf>,
 }
 
 impl Definition {
@@ -315,6 +323,7 @@ mod tests {
             type_name: "gpu-4m".into(),
             params: Params::from([("k".to_string(), "v".to_string())]),
             autostart: true,
+            migrating_to: None,
         }
     }
 

@@ -5,23 +5,36 @@
 //! 1. `types` on the destination: it is reachable (nothing has been touched yet).
 //! 2. `migrate_save` on the source: refused while a client is attached (only the VMM can
 //!    migrate an attached device: it owns the guest RAM and interrupts) or for a device
-//!    without migration; otherwise the device is stopped, saved as a migration stream
-//!    (`protocol-docs/migration.md`, the stream a VMM reads in STOP_COPY) and resumed: the
-//!    source serves on, unchanged.
+//!    without migration; otherwise the device is stopped and saved as a migration stream
+//!    (`protocol-docs/migration.md`, the stream a VMM reads in STOP_COPY), and the instance
+//!    is **handed over**: its definition (if any) marked as migrating to `DST`, the instance
+//!    removed (its socket gone), its state kept by the source daemon.
 //! 3. `migrate_load` on the destination: the same UUID, type and parameters, created with
 //!    that state (the destination refuses an unknown type, a UUID in use, a resource left
-//!    short, or a state its device refuses; then it has nothing new). It is defined there,
-//!    with the source's autostart flag, when the source had a definition.
-//! 4. `migrate_finish` on the source (skipped with `--keep-source`): the source saves the
-//!    state again and removes the instance and its definition only if no client is attached
-//!    and the state is the one shipped. If it refuses, the destination's instance (and
-//!    definition) is removed again and the source keeps serving.
+//!    short, or a state its device refuses; then it has nothing new, and the CLI sends
+//!    `migrate_abort` to the source, which serves the instance again with the kept state).
+//!    It is defined there, with the source's autostart flag, when the source had a
+//!    definition.
+//! 4. `migrate_finish` on the source: it forgets the kept state and deletes the marked
+//!    definition.
 //!
-//! With `--prepare`, only the destination instance is created (same UUID, type and
-//! parameters, no state): the socket a VMM connects to and drives RESUMING on.
+//! # Interrupted
+//! The source stops serving (step 2) before the destination starts (step 3): **at most one
+//! daemon serves the UUID** at every moment, and a marked definition is never started, at
+//! a restart neither. A migration cut short (the CLI killed, a daemon restarted, a socket
+//! error) leaves at most a leftover on the source, settled by `umdev migrate UUID --to DST
+//! --recover`: if the destination runs or defines the UUID, `migrate_finish` on the source;
+//! otherwise `migrate_abort` there (with the kept state, or from the definition if the
+//! source daemon restarted meanwhile and lost it). `umdev remove UUID` on the source drops
+//! the leftover too. The CLI settles by itself when it sees a step fail.
+//!
+//! With `--keep-source` the source is stopped, saved and resumed (not handed over) and the
+//! destination gets a transient copy: the one case where two daemons serve the UUID, on
+//! request. With `--prepare`, only the destination instance is created (same UUID, type
+//! and parameters, no state): the socket a VMM connects to and drives RESUMING on.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use super::client::{self, ClientError, Common};
 use super::protocol::{ControlError, ErrorKind, Reply, Request, StartedReply};
@@ -43,6 +56,10 @@ pub struct MigrateArgs {
     /// that migrates an attached device, and print its socket.
     #[arg(long)]
     pub prepare: bool,
+    /// Settle a migration that was cut short: the source's leftover is removed if the
+    /// destination runs or defines the instance, served again otherwise.
+    #[arg(long, conflicts_with_all = ["keep_source", "prepare"])]
+    pub recover: bool,
     #[command(flatten)]
     pub common: Common,
 }
@@ -114,6 +131,65 @@ pub fn run(args: MigrateArgs) -> CliResult {
     }
 }
 
+/// `e` with `more` appended to what it says.
+fn with_note(e: ClientError, more: &str) -> ClientError {
+    match e {
+        ClientError::Daemon(mut err) => {
+            err.message = format!("{}; {more}", err.message);
+            ClientError::Daemon(err)
+        }
+        other => ClientError::Daemon(ControlError::new(ErrorKind::Io, format!("{other}; {more}"))),
+    }
+}
+
+/// Who serves a settled migration.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+enum ServedBy {
+    /// The destination has it; the source's leftover was removed.
+    Destination,
+    /// The destination does not have it; the source serves it again.
+    Source,
+}
+
+/// Settle `uuid` between `from` and `to` (see "Interrupted" in the module doc).
+fn settle(uuid: &str, from: &Path, to: &Path) -> Result<(ServedBy, Option<Reply>), ClientError> {
+    let wanted = uuid.to_ascii_lowercase();
+    let Reply::Instances(running) = client::call(to, &Request::List { defined: false })? else {
+        return Err(unexpected("list"));
+    };
+    let Reply::Definitions(defined) = client::call(to, &Request::List { defined: true })? else {
+        return Err(unexpected("list"));
+    };
+    let there = running.instances.iter().any(|i| i.uuid == wanted)
+        || defined.definitions.iter().any(|d| d.uuid == wanted);
+    let uuid = uuid.to_owned();
+    if there {
+        client::call(from, &Request::MigrateFinish { uuid })?;
+        Ok((ServedBy::Destination, None))
+    } else {
+        let reply = client::call(from, &Request::MigrateAbort { uuid })?;
+        Ok((ServedBy::Source, Some(reply)))
+    }
+}
+
+/// Settle after a step failed; `e` says what failed, and what settling did.
+fn settle_after(e: ClientError, uuid: &str, from: &Path, to: &Path) -> ClientError {
+    let note = match settle(uuid, from, to) {
+        Ok((ServedBy::Destination, _)) => format!(
+            "the destination ({}) serves the instance; the source's copy was removed",
+            to.display()
+        ),
+        Ok((ServedBy::Source, _)) => "the source serves the instance again".to_owned(),
+        Err(settling) => format!(
+            "settling failed too ({settling}): `umdev migrate {uuid} --to {} --recover` \
+             settles it (one daemon at most serves it meanwhile)",
+            to.display()
+        ),
+    };
+    with_note(e, &note)
+}
+
 fn migrate(args: &MigrateArgs) -> Result<String, ClientError> {
     let from = args
         .common
@@ -126,13 +202,22 @@ fn migrate(args: &MigrateArgs) -> Result<String, ClientError> {
     if args.prepare {
         return prepare(args, &from, &to);
     }
-    let (reply, state) = client::call_with_payload(
-        &from,
-        &Request::MigrateSave {
-            uuid: args.uuid.clone(),
-        },
-        &[],
-    )?;
+    if args.recover {
+        return recover(args, &from, &to);
+    }
+    let save = Request::MigrateSave {
+        uuid: args.uuid.clone(),
+        keep_source: args.keep_source,
+        to: Some(to.clone()),
+    };
+    let (reply, state) = match client::call_with_payload(&from, &save, &[]) {
+        Ok(r) => r,
+        // The source refused: nothing changed.
+        Err(e @ ClientError::Daemon(_)) => return Err(e),
+        // The source may have handed it over without the state reaching us.
+        Err(e) if !args.keep_source => return Err(settle_after(e, &args.uuid, &from, &to)),
+        Err(e) => return Err(e),
+    };
     let Reply::Saved(saved) = reply else {
         return Err(unexpected("migrate_save"));
     };
@@ -146,45 +231,55 @@ fn migrate(args: &MigrateArgs) -> Result<String, ClientError> {
         autostart: inst.autostart,
         state_len: state.len() as u64,
     };
-    let (reply, _) =
-        client::call_with_payload(&to, &load, &state).map_err(|e| at_destination(&to, e))?;
-    let Reply::Started(started) = reply else {
-        return Err(unexpected("migrate_load"));
-    };
-    if !args.keep_source {
-        let finish = Request::MigrateFinish {
-            uuid: inst.uuid.clone(),
-            digest: saved.digest,
-        };
-        if let Err(e) = client::call(&from, &finish) {
-            // The source keeps the instance: take the copy back.
-            let undo = client::call(
-                &to,
-                &Request::Remove {
-                    uuid: inst.uuid.clone(),
-                    force: true,
-                },
-            );
-            return Err(match (e, undo) {
-                (ClientError::Daemon(mut err), Ok(_)) => {
-                    err.message = format!(
-                        "{}; the destination's copy was removed again, the source serves on",
-                        err.message
-                    );
-                    ClientError::Daemon(err)
-                }
-                (ClientError::Daemon(mut err), Err(undo)) => {
-                    err.message = format!(
-                        "{}; removing the destination's copy failed too ({undo}): `umdev \
-                         remove {} --control {}` removes it",
-                        err.message,
+    let started = match client::call_with_payload(&to, &load, &state) {
+        Ok((Reply::Started(started), _)) => started,
+        Ok(_) => {
+            let e = unexpected("migrate_load");
+            return Err(match saved.handed_over {
+                true => settle_after(e, &inst.uuid, &from, &to),
+                false => e,
+            });
+        }
+        // The destination refused: it has nothing new; the source serves the instance again.
+        Err(e @ ClientError::Daemon(_)) if saved.handed_over => {
+            let e = at_destination(&to, e);
+            let abort = Request::MigrateAbort {
+                uuid: inst.uuid.clone(),
+            };
+            return Err(match client::call(&from, &abort) {
+                Ok(_) => with_note(e, "the source serves the instance again"),
+                Err(undo) => with_note(
+                    e,
+                    &format!(
+                        "serving it again on the source failed ({undo}): `umdev migrate {} \
+                         --to {} --recover` settles it",
                         inst.uuid,
                         to.display()
-                    );
-                    ClientError::Daemon(err)
-                }
-                (other, _) => other,
+                    ),
+                ),
             });
+        }
+        // Unknown whether the destination created it: look.
+        Err(e) if saved.handed_over => {
+            return Err(settle_after(at_destination(&to, e), &inst.uuid, &from, &to))
+        }
+        Err(e) => return Err(at_destination(&to, e)),
+    };
+    if saved.handed_over {
+        let finish = Request::MigrateFinish {
+            uuid: inst.uuid.clone(),
+        };
+        if let Err(e) = client::call(&from, &finish) {
+            // The destination serves it: the source keeps only a leftover, never served.
+            return Err(with_note(
+                e,
+                &format!(
+                    "the destination serves the instance; the source keeps a leftover that \
+                     it does not serve: `umdev migrate {} --to {} --recover` removes it",
+                    inst.uuid,
+                    to.display()
+                ),
+            ));
         }
     }
     let report = Migrated {
@@ -197,7 +292,7 @@ fn migrate(args: &MigrateArgs) -> Result<String, ClientError> {
         socket: started.instance.socket.clone(),
         definition: started.definition.clone(),
         autostart: define && inst.autostart,
-        source_removed: !args.keep_source,
+        source_removed: saved.handed_over,
     };
     Ok(if args.common.json {
         format!(
@@ -206,6 +301,37 @@ fn migrate(args: &MigrateArgs) -> Result<String, ClientError> {
         )
     } else {
         human(&report)
+    })
+}
+
+/// `--recover`: settle a migration that was cut short.
+fn recover(args: &MigrateArgs, from: &Path, to: &Path) -> Result<String, ClientError> {
+    let (served_by, reply) = settle(&args.uuid, from, to)?;
+    let socket = match &reply {
+        Some(Reply::Started(s)) => Some(s.instance.socket.clone()),
+        _ => None,
+    };
+    let uuid = args.uuid.to_ascii_lowercase();
+    Ok(if args.common.json {
+        format!(
+            "{:#}\n",
+            serde_json::json!({ "recovered": {
+                "uuid": uuid, "served_by": served_by, "socket": socket,
+            }})
+        )
+    } else {
+        match served_by {
+            ServedBy::Destination => format!(
+                "settled {uuid}: the destination ({}) has it; the source's leftover was removed\n",
+                to.display()
+            ),
+            ServedBy::Source => format!(
+                "settled {uuid}: the destination does not have it; the source serves it again{}\n",
+                socket
+                    .map(|s| format!(" on {}", s.display()))
+                    .unwrap_or_default()
+            ),
+        }
     })
 }
 

@@ -118,6 +118,10 @@ pub struct DaemonArgs {
     /// the device-request IRQ, seconds (then: busy, or disconnected with --force).
     #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_seconds)]
     pub release_timeout: Duration,
+    /// How long a control client has to send its whole request, and to take the reply,
+    /// seconds (a state it sends or takes gets 1 s more per 32 MiB); then it is cut off.
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_timeout)]
+    pub control_timeout: Duration,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -153,6 +157,13 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
         return Err(format!("{s}: between 0 and 3600 seconds"));
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    parse_seconds(s).and_then(|d| match d.is_zero() {
+        true => Err(format!("{s}: more than 0 seconds")),
+        false => Ok(d),
+    })
 }
 
 /// Why the daemon could not start or stop cleanly.
@@ -242,11 +253,18 @@ pub fn run(args: DaemonArgs) -> CliResult {
         .control
         .clone()
         .unwrap_or_else(|| socket_dir.join(paths::CONTROL_SOCKET));
-    paths::ensure_private_dir(&state_dir).map_err(DaemonError::from)?;
-    paths::ensure_private_dir(&socket_dir).map_err(DaemonError::from)?;
-    if let Some(dir) = control_path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        paths::ensure_private_dir(dir).map_err(DaemonError::from)?;
-    }
+    // Absolute from here on: the paths printed (QEMU lines, logs) work from any directory.
+    let state_dir = paths::ensure_private_dir(&state_dir).map_err(DaemonError::from)?;
+    let socket_dir = paths::ensure_private_dir(&socket_dir).map_err(DaemonError::from)?;
+    let control_dir = control_path.parent().filter(|d| !d.as_os_str().is_empty());
+    let control_path = match (control_dir, control_path.file_name()) {
+        (Some(dir), Some(name)) => paths::ensure_private_dir(dir)
+            .map_err(DaemonError::from)?
+            .join(name),
+        _ => std::env::current_dir()
+            .map(|cwd| cwd.join(&control_path))
+            .unwrap_or(control_path),
+    };
     let _lock = lock_state_dir(&state_dir)?;
     let listener = SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
         ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
@@ -311,7 +329,11 @@ pub fn run(args: DaemonArgs) -> CliResult {
     if autostart > 0 {
         info!(started, failed, "autostart done");
     }
-    let control = control::Control::spawn(listener, service.clone()).map_err(DaemonError::Spawn)?;
+    let control_config = control::ControlConfig {
+        request_timeout: args.control_timeout,
+    };
+    let control = control::Control::spawn(listener, service.clone(), control_config)
+        .map_err(DaemonError::Spawn)?;
     info!(
         state = %state_dir.display(),
         sockets = %socket_dir.display(),

@@ -84,8 +84,9 @@ pub enum DirError {
 
 /// Create `dir` (mode 0700, parents as needed) if it is missing, and check that it is a
 /// directory of ours that no one else can write in: a socket or a file in it cannot be
-/// replaced by another user, whatever the umask was.
-pub fn ensure_private_dir(dir: &Path) -> Result<(), DirError> {
+/// replaced by another user, whatever the umask was. Returns its absolute, canonical path
+/// (a relative `--socket-dir` must not become a relative socket path in a QEMU line).
+pub fn ensure_private_dir(dir: &Path) -> Result<PathBuf, DirError> {
     let io_err = |source| DirError::Io {
         path: dir.to_path_buf(),
         source,
@@ -111,7 +112,7 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), DirError> {
     if mode & 0o022 != 0 {
         return Err(not_private(format!("its mode is {mode:o}")));
     }
-    Ok(())
+    fs::canonicalize(dir).map_err(io_err)
 }
 
 #[cfg(test)]
@@ -122,7 +123,10 @@ mod tests {
     fn test_ensure_private_dir_creates_0700_refuses_group_writable() {
         let base = tempfile::tempdir().unwrap();
         let dir = base.path().join("a/b");
-        ensure_private_dir(&dir).unwrap();
+        assert_eq!(
+            ensure_private_dir(&dir).unwrap(),
+            fs::canonicalize(&dir).unwrap()
+        );
         let mode = fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o770)).unwrap();

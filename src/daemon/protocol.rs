@@ -2,9 +2,9 @@
 //! response per connection on the control socket, each one JSON text followed by a newline.
 //!
 //! ```text
-//! client → daemon   {"version":1,"request":{"op":"create","type":"gpu-4m","auto":true}}\n
-//! daemon → client   {"version":1,"ok":{"reply":"started","instance":{...}}}\n
-//!               or  {"version":1,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
+//! client → daemon   {"version":2,"request":{"op":"create","type":"gpu-4m","auto":true}}\n
+//! daemon → client   {"version":2,"ok":{"reply":"started","instance":{...}}}\n
+//!               or  {"version":2,"error":{"kind":"exhausted","message":"...","hint":"..."}}\n
 //! ```
 //!
 //! # Payloads
@@ -24,9 +24,17 @@
 //!
 //! # Bounds
 //! A message is at most [`MAX_MESSAGE`] bytes (the newline included); a longer one, or one
-//! that is not valid JSON, gets a `bad_request` error. The daemon waits at most
-//! [`REQUEST_TIMEOUT`] for a request. Nothing here is trusted more for coming from the
+//! that is not valid JSON, gets a `bad_request` error. Only `migrate_load` carries a
+//! payload, at most [`MAX_PAYLOAD`] bytes; the buffer for it grows as its bytes arrive
+//! (never the announced size up front, never more than it). The daemon gives a request a
+//! deadline, not a timeout per read: the message within [`REQUEST_TIMEOUT`] of the
+//! connection, its payload within [`transfer_time`] more; the reply, written once the
+//! request is handled, gets the same. Nothing here is trusted more for coming from the
 //! socket's owner: every field is checked as an admin's input is.
+//!
+//! [`decode_request`] is the whole decoder (message, envelope, version, request,
+//! payload), with no I/O but the reader's: the daemon uses its two halves, a fuzz target
+//! (`fuzz/fuzz_targets/control_decode.rs`) the whole.
 //!
 //! `protocol-docs/lifecycle.md` documents every request and reply.
 
@@ -38,13 +46,23 @@ use serde::{Deserialize, Serialize};
 use umdev::instance::Params;
 
 /// The control protocol's version (see the module doc).
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The largest message, newline included.
 pub const MAX_MESSAGE: usize = 1 << 20;
-/// The largest payload after a message: a migration stream's largest frame and its heads.
+/// The largest payload after a message (`migrate_load`'s state, `saved`'s): a migration
+/// stream's largest frame and its heads, the largest state `migrate_save` can produce.
 pub const MAX_PAYLOAD: u64 = umdev::migration::stream::MAX_FRAME as u64 + 4096;
-/// How long the daemon waits for a connected client's request.
+/// How long the daemon waits for a connected client's whole request message (and for a
+/// client to take the reply), by default.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The slowest a payload may flow, bytes per second: [`transfer_time`].
+pub const MIN_PAYLOAD_RATE: u64 = 32 << 20;
+
+/// The time a payload of `len` bytes is given beyond the message's deadline: `len` at
+/// [`MIN_PAYLOAD_RATE`] (32 s for 1 GiB).
+pub fn transfer_time(len: u64) -> Duration {
+    Duration::from_millis(len.saturating_mul(1000) / MIN_PAYLOAD_RATE)
+}
 
 /// What a client asks for.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -116,12 +134,22 @@ pub enum Request {
         force: bool,
     },
     /// `umdev migrate`, on the source: save the whole state of a running instance that no
-    /// client holds (stopped, saved, resumed: it serves on unchanged). The reply
-    /// ([`Reply::Saved`]) is followed by its `state_len` bytes of state (see "Payloads" in
-    /// the module doc).
+    /// client holds. Unless `keep_source`, the instance is then **handed over**: removed
+    /// (its socket gone: no client can attach to it here any more), its state kept in
+    /// memory and its definition (if any) marked as migrating to `to`, until
+    /// [`Request::MigrateFinish`] forgets them or [`Request::MigrateAbort`] serves the
+    /// instance again with that state. With `keep_source` it is stopped, saved and resumed,
+    /// and serves on unchanged. The reply ([`Reply::Saved`]) is followed by its `state_len`
+    /// bytes of state (see "Payloads" in the module doc).
     MigrateSave {
         /// The UUID.
         uuid: String,
+        /// Keep serving the instance (the destination gets a copy).
+        #[serde(default)]
+        keep_source: bool,
+        /// The destination's control socket, recorded in the definition's mark.
+        #[serde(default)]
+        to: Option<PathBuf>,
     },
     /// `umdev migrate`, on the destination: create an instance with the state that follows
     /// the request (`state_len` bytes), and define it if `define`.
@@ -143,14 +171,18 @@ pub enum Request {
         /// Length of the state that follows the request.
         state_len: u64,
     },
-    /// `umdev migrate`, on the source once the destination serves the state: remove the
-    /// instance and its definition, provided no client is attached and the state did not
-    /// change since [`Request::MigrateSave`] (its `digest`).
+    /// `umdev migrate`, on the source once the destination serves the instance: forget a
+    /// handed-over instance (its kept state, its marked definition).
     MigrateFinish {
         /// The UUID.
         uuid: String,
-        /// The `digest` of the [`SavedReply`].
-        digest: u64,
+    },
+    /// `umdev migrate`, on the source when the destination does not serve the instance:
+    /// serve a handed-over instance again, with its kept state (or, after a restart of this
+    /// daemon, from its marked definition), the mark removed.
+    MigrateAbort {
+        /// The UUID.
+        uuid: String,
     },
 }
 
@@ -241,8 +273,9 @@ pub struct SavedReply {
     /// Length of the state that follows the reply: a migration stream
     /// (`protocol-docs/migration.md`).
     pub state_len: u64,
-    /// A digest of the state, for `migrate_finish` (meaningful to this daemon only).
-    pub digest: u64,
+    /// The instance was handed over (removed here, its state kept until `migrate_finish`
+    /// or `migrate_abort`); false with `keep_source`.
+    pub handed_over: bool,
 }
 
 /// What one instance of a type takes of a resource.
@@ -408,6 +441,10 @@ pub struct DefinitionRow {
     /// Why its last autostart failed (until it is started).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_error: Option<String>,
+    /// Handed over to the daemon of this control socket by `umdev migrate`, not confirmed
+    /// yet: not started here (`umdev migrate UUID --to DST --recover` settles it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrating_to: Option<PathBuf>,
 }
 
 /// A definition file the daemon could not read.
@@ -548,8 +585,10 @@ pub enum ErrorKind {
     Attached,
     /// The instance's device does not support migration.
     NotMigratable,
-    /// A migration state was refused, or changed before the migration finished.
+    /// A migration state was refused, or the UUID is not (or no longer) handed over.
     Migration,
+    /// The UUID was handed over to another daemon by `umdev migrate`, not yet settled.
+    MigratingOut,
 }
 
 /// A failure, as the client shows it.
@@ -594,6 +633,9 @@ pub enum FrameError {
     /// The socket failed (a timeout included).
     #[error("reading the message")]
     Io(#[source] io::Error),
+    /// The socket failed (a timeout included) while the payload was read.
+    #[error("reading the payload")]
+    PayloadIo(#[source] io::Error),
     /// A payload longer than [`MAX_PAYLOAD`] was announced.
     #[error("a payload of {0} bytes was announced (at most {MAX_PAYLOAD})")]
     PayloadTooLong(u64),
@@ -605,6 +647,50 @@ pub enum FrameError {
         /// Bytes received.
         got: u64,
     },
+}
+
+/// Why a request could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The message or its payload could not be read.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The message is not a request envelope, or not a request this daemon knows.
+    #[error("malformed request")]
+    Malformed(#[source] serde_json::Error),
+    /// The client speaks another version (whatever its request is).
+    #[error(
+        "this daemon speaks control protocol version {PROTOCOL_VERSION}, the client version {0}"
+    )]
+    Version(u32),
+}
+
+/// Read and decode one request message from `reader`: the envelope first (so that a client
+/// of another version is told so whatever its request), then the request. The payload it
+/// announces ([`Request::payload_len`], checked against [`MAX_PAYLOAD`]) is left in
+/// `reader` for [`read_payload`].
+pub fn decode_header(reader: &mut impl BufRead) -> Result<Request, DecodeError> {
+    let message = read_message(reader)?;
+    let envelope: RequestEnvelope<serde_json::Value> =
+        serde_json::from_slice(&message).map_err(DecodeError::Malformed)?;
+    if envelope.version != PROTOCOL_VERSION {
+        return Err(DecodeError::Version(envelope.version));
+    }
+    let request: Request =
+        serde_json::from_value(envelope.request).map_err(DecodeError::Malformed)?;
+    let len = request.payload_len();
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::PayloadTooLong(len).into());
+    }
+    Ok(request)
+}
+
+/// The whole decoder: [`decode_header`], then the payload the request announces.
+#[allow(dead_code)] // the daemon reads the two halves with the payload budget between
+pub fn decode_request(reader: &mut impl BufRead) -> Result<(Request, Vec<u8>), DecodeError> {
+    let request = decode_header(reader)?;
+    let payload = read_payload(reader, request.payload_len())?;
+    Ok((request, payload))
 }
 
 /// Read one message: the bytes up to the first newline (or the end of the stream), at most
@@ -628,17 +714,33 @@ pub fn read_message(reader: &mut impl BufRead) -> Result<Vec<u8>, FrameError> {
     Ok(buf)
 }
 
-/// Read the `len` bytes of payload that follow a message (at most [`MAX_PAYLOAD`]).
+/// Read the `len` bytes of payload that follow a message (at most [`MAX_PAYLOAD`]). The
+/// buffer grows with the bytes that arrived, never beyond `len`: a peer that announces a
+/// large payload and sends little costs little.
 pub fn read_payload(reader: &mut impl Read, len: u64) -> Result<Vec<u8>, FrameError> {
+    const CHUNK: usize = 64 * 1024;
     if len > MAX_PAYLOAD {
         return Err(FrameError::PayloadTooLong(len));
     }
-    let mut buf = Vec::new();
-    reader
-        .take(len)
-        .read_to_end(&mut buf)
-        .map_err(FrameError::Io)?;
-    if buf.len() as u64 != len {
+    let want = usize::try_from(len).map_err(|_| FrameError::PayloadTooLong(len))?;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; CHUNK.min(want)];
+    while buf.len() < want {
+        let room = (want - buf.len()).min(chunk.len());
+        let n = match reader.read(&mut chunk[..room]) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(FrameError::PayloadIo(e)),
+        };
+        if buf.capacity() - buf.len() < n {
+            // Double what arrived so far, capped at what is still announced.
+            let grow = buf.len().max(CHUNK).min(want - buf.len()).max(n);
+            buf.reserve_exact(grow);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    if buf.len() != want {
         return Err(FrameError::PayloadCut {
             expected: len,
             got: buf.len() as u64,
@@ -681,7 +783,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             text,
-            "{\"version\":1,\"request\":{\"op\":\"create\",\"type\":\"gpu/gpu-4m\",\"uuid\":null,\"params\":{\"k\":\"v\"},\"auto\":true}}\n"
+            "{\"version\":2,\"request\":{\"op\":\"create\",\"type\":\"gpu/gpu-4m\",\"uuid\":null,\"params\":{\"k\":\"v\"},\"auto\":true}}\n"
         );
         let back: RequestEnvelope<Request> = serde_json::from_str(text.trim_end()).unwrap();
         assert_eq!(back.request, req);
@@ -742,5 +844,48 @@ mod tests {
             read_payload(&mut &b""[..], MAX_PAYLOAD + 1),
             Err(FrameError::PayloadTooLong(_))
         ));
+    }
+
+    #[test]
+    fn test_read_payload_buffer_never_larger_than_announced() {
+        let len = 3 * (1 << 20) + 17;
+        let data = vec![7u8; len];
+        let got = read_payload(&mut &data[..], len as u64).unwrap();
+        assert_eq!(got.len(), len);
+        assert!(
+            got.capacity() <= len,
+            "capacity {} for {len}",
+            got.capacity()
+        );
+        // A large announcement and a few bytes: cut, after a small buffer.
+        let e = read_payload(&mut &b"tiny"[..], MAX_PAYLOAD).unwrap_err();
+        assert!(matches!(e, FrameError::PayloadCut { got: 4, .. }), "{e:?}");
+    }
+
+    #[test]
+    fn test_decode_request_version_first_payload_bounded() {
+        let decode = |text: &str| decode_request(&mut io::BufReader::new(text.as_bytes()));
+        let e = decode("{\"version\":9,\"request\":{\"op\":\"nonsense\"}}\n").unwrap_err();
+        assert!(matches!(e, DecodeError::Version(9)), "{e:?}");
+        let e = decode("{\"version\":2,\"request\":{\"op\":\"nonsense\"}}\n").unwrap_err();
+        assert!(matches!(e, DecodeError::Malformed(_)), "{e:?}");
+        let load = |len: u64| {
+            format!(
+                "{{\"version\":2,\"request\":{{\"op\":\"migrate_load\",\"uuid\":\"u\",\
+                 \"type\":\"gpu/gpu-4m\",\"state_len\":{len}}}}}\n"
+            )
+        };
+        let e = decode(&load(MAX_PAYLOAD + 1)).unwrap_err();
+        assert!(
+            matches!(e, DecodeError::Frame(FrameError::PayloadTooLong(_))),
+            "{e:?}"
+        );
+        let (req, payload) = decode(&(load(3) + "abc")).unwrap();
+        assert_eq!(req.payload_len(), 3);
+        assert_eq!(payload, b"abc");
+        // Bytes after a request without a payload are not read.
+        let (req, payload) = decode("{\"version\":2,\"request\":{\"op\":\"types\"}}\nxyz").unwrap();
+        assert_eq!((req, payload.len()), (Request::Types, 0));
+        assert_eq!(transfer_time(MIN_PAYLOAD_RATE * 2), Duration::from_secs(2));
     }
 }

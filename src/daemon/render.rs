@@ -142,6 +142,22 @@ fn definitions(r: &DefinitionsReply, bold: bool) -> String {
     for d in &r.definitions {
         let state = match (&d.start_error, d.running) {
             (_, true) => "running",
+            _ if d.migrating_to.is_some() => {
+                let to = d
+                    .migrating_to
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new(""));
+                let _ = writeln!(
+                    notes,
+                    "{}: handed over to {} by `umdev migrate`, not settled: `umdev migrate {} \
+                     --to {} --recover` settles it",
+                    d.uuid,
+                    to.display(),
+                    d.uuid,
+                    to.display()
+                );
+                "migrating out"
+            }
             (Some(e), false) => {
                 let _ = writeln!(notes, "{}: autostart failed: {e}", d.uuid);
                 "start failed"

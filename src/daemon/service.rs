@@ -21,6 +21,14 @@
 //!   store loaded at startup plus what this daemon wrote since, each written to its file
 //!   before it is reported; a failed write leaves neither (a `create --auto` whose
 //!   definition cannot be written stops the instance again).
+//! - **A handed-over instance is served by no one here.** `migrate_save` (without
+//!   `keep_source`) marks the definition first (`migrating_to`, written before anything
+//!   else), then removes the instance, then keeps its state; a marked definition is never
+//!   started (autostart, `start`), and the UUID is refused to `create`/`define` with
+//!   `migrating_out`, until `migrate_finish` (state and definition forgotten),
+//!   `migrate_abort` (served again with the kept state, or from the definition after a
+//!   restart lost the state) or `remove` settles it. So a migration cut short never leaves
+//!   two daemons serving the UUID.
 //! - Definitions take no resources while they are not running (as mdevctl's do not): a
 //!   `start` can fail with `exhausted`; an autostart that fails is logged and reported by
 //!   `list --defined` until the instance starts.
@@ -55,6 +63,18 @@ impl Defs {
     }
 }
 
+/// An instance `migrate_save` handed over: removed from the registry, its state kept until
+/// `migrate_finish` forgets it or `migrate_abort` serves it again.
+struct Outgoing {
+    type_spec: String,
+    params: Params,
+    state: Payload,
+    to: PathBuf,
+}
+
+/// A payload sent after a reply (a saved state), shared with what the daemon keeps of it.
+pub type Payload = Arc<Vec<u8>>;
+
 /// The registry, the parents registered in it, and the definitions.
 pub struct Service {
     registry: Arc<Registry>,
@@ -62,6 +82,7 @@ pub struct Service {
     store: Store,
     defs: Mutex<Defs>,
     claims: Mutex<HashSet<String>>,
+    outgoing: Mutex<BTreeMap<String, Outgoing>>,
 }
 
 /// A UUID claimed by an operation; released on drop.
@@ -145,16 +166,6 @@ fn instance_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
     }
 }
 
-/// A digest of a saved state: `migrate_finish` compares the state saved again with the one
-/// shipped. Computed by the same daemon both times (not a cross-version format), and no
-/// defence against an adversary: it tells a changed state from an unchanged one.
-fn digest(state: &[u8]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::hash::DefaultHasher::new();
-    state.hash(&mut h);
-    h.finish()
-}
-
 fn bad_uuid(uuid: &str) -> ControlError {
     ControlError::new(
         ErrorKind::BadParam,
@@ -197,6 +208,7 @@ impl Service {
                 start_errors: BTreeMap::new(),
             }),
             claims: Mutex::new(HashSet::new()),
+            outgoing: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -223,6 +235,7 @@ impl Service {
             running: self.registry.instance(&def.uuid).is_ok(),
             path: self.store.path_of(&def.uuid),
             start_error: defs.start_errors.get(&def.uuid).cloned(),
+            migrating_to: def.migrating_to.clone(),
         }
     }
 
@@ -235,6 +248,17 @@ impl Service {
             .filter(|d| d.autostart)
             .cloned()
             .collect();
+        let (autos, handed_over): (Vec<_>, Vec<_>) =
+            autos.into_iter().partition(|d| d.migrating_to.is_none());
+        for def in handed_over {
+            let to = def.migrating_to.unwrap_or_default();
+            warn!(
+                uuid = %def.uuid,
+                to = %to.display(),
+                "autostart: not started, `umdev migrate` handed it over and did not settle \
+                 (`umdev migrate UUID --to DST --recover` does)"
+            );
+        }
         let (mut started, mut failed) = (0, 0);
         for def in autos {
             match self.start_definition(&def) {
@@ -274,9 +298,13 @@ impl Service {
         &self,
         request: Request,
         payload: Vec<u8>,
-    ) -> Result<(Reply, Vec<u8>), ControlError> {
+    ) -> Result<(Reply, Payload), ControlError> {
         let reply = match request {
-            Request::MigrateSave { uuid } => return self.migrate_save(&uuid),
+            Request::MigrateSave {
+                uuid,
+                keep_source,
+                to,
+            } => return self.migrate_save(&uuid, keep_source, to),
             Request::MigrateLoad {
                 uuid,
                 type_spec,
@@ -285,10 +313,11 @@ impl Service {
                 autostart,
                 state_len: _,
             } => self.migrate_load(&uuid, &type_spec, &params, define, autostart, &payload),
-            Request::MigrateFinish { uuid, digest } => self.migrate_finish(&uuid, digest),
+            Request::MigrateFinish { uuid } => self.migrate_finish(&uuid),
+            Request::MigrateAbort { uuid } => self.migrate_abort(&uuid),
             other => self.handle_plain(other),
         }?;
-        Ok((reply, Vec::new()))
+        Ok((reply, Payload::default()))
     }
 
     fn handle_plain(&self, request: Request) -> Result<Reply, ControlError> {
@@ -314,17 +343,25 @@ impl Service {
             Request::Remove { uuid, force } => self.stop_or_remove(&uuid, force, Op::Remove),
             Request::MigrateSave { .. }
             | Request::MigrateLoad { .. }
-            | Request::MigrateFinish { .. } => Err(ControlError::new(
+            | Request::MigrateFinish { .. }
+            | Request::MigrateAbort { .. } => Err(ControlError::new(
                 ErrorKind::Internal,
                 "a migration request without its payload handling (a bug)",
             )),
         }
     }
 
-    /// `migrate_save`: the state of a running instance no client holds, and its digest.
-    fn migrate_save(&self, uuid: &str) -> Result<(Reply, Vec<u8>), ControlError> {
+    /// `migrate_save`: the state of a running instance no client holds; handed over unless
+    /// `keep_source` ([`Service::hand_over`]).
+    fn migrate_save(
+        &self,
+        uuid: &str,
+        keep_source: bool,
+        to: Option<PathBuf>,
+    ) -> Result<(Reply, Payload), ControlError> {
         let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
         let _claim = self.claim(&uuid)?;
+        self.check_not_outgoing(&uuid)?;
         let info = self.running(&uuid)?;
         if info.parent == "ccw" && !info.params.contains_key(ccw::parent::PARAM_IMAGE) {
             // Its default image is <uuid>.img in this daemon's image directory, which the
@@ -342,22 +379,127 @@ impl Service {
                  or copied while the instance is detached)",
             ));
         }
-        let state = self
-            .registry
-            .save_state(&uuid)
-            .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
-        let defs = lock(&self.defs);
-        let reply = SavedReply {
-            instance: instance_row(info, &defs),
-            state_len: state.len() as u64,
-            digest: digest(&state),
-        };
+        let state: Payload = Arc::new(
+            self.registry
+                .save_state(&uuid)
+                .map_err(|e| instance_error(e, Op::Migrate, &uuid))?,
+        );
+        let row = instance_row(info.clone(), &lock(&self.defs));
+        if !keep_source {
+            let to = to.unwrap_or_else(|| PathBuf::from("(not given)"));
+            self.hand_over(&uuid, &info, &state, to)?;
+        }
         info!(
             uuid,
             bytes = state.len(),
+            handed_over = !keep_source,
             "migration: state saved for another daemon"
         );
+        let reply = SavedReply {
+            instance: row,
+            state_len: state.len() as u64,
+            handed_over: !keep_source,
+        };
         Ok((Reply::Saved(reply), state))
+    }
+
+    /// Hand the instance over: mark its definition (a restart from here on does not start
+    /// it again), remove it (its socket goes: no client attaches here any more), keep its
+    /// state. Any failure leaves it served and its definition unmarked.
+    fn hand_over(
+        &self,
+        uuid: &str,
+        info: &InstanceInfo,
+        state: &Payload,
+        to: PathBuf,
+    ) -> Result<(), ControlError> {
+        let def = lock(&self.defs).defined.get(uuid).cloned();
+        if let Some(def) = &def {
+            let mut marked = def.clone();
+            marked.migrating_to = Some(to.clone());
+            self.write_definition(marked)?;
+        }
+        let unmark = || {
+            if let Some(def) = def.clone() {
+                if let Err(e) = self.write_definition(def) {
+                    warn!(uuid, error = %e.message, "the definition's migration mark could not be removed");
+                }
+            }
+        };
+        let outgoing = Outgoing {
+            type_spec: format!("{}/{}", info.parent, info.type_name),
+            params: info.params.clone(),
+            state: state.clone(),
+            to,
+        };
+        match self.registry.remove(uuid, false) {
+            Ok(report) if !report.client_was_attached => {}
+            Ok(_) => {
+                // A client attached between the save and the removal, and let go when asked:
+                // the state may miss what it did. Serve the instance again as saved.
+                warn!(
+                    uuid,
+                    "migration: a client attached while the instance was handed over; it \
+                     serves on here"
+                );
+                let restored = self.registry.create_with_state(
+                    &outgoing.type_spec,
+                    uuid,
+                    &outgoing.params,
+                    state,
+                );
+                if let Err(e) = restored {
+                    // Kept as handed over (marked, state kept): `--recover` serves it again.
+                    let to = outgoing.to.display().to_string();
+                    lock(&self.outgoing).insert(uuid.to_owned(), outgoing);
+                    return Err(instance_error(e, Op::Migrate, uuid).hint(format!(
+                        "its state is kept here: `umdev migrate {uuid} --to {to} --recover` \
+                         serves it again once the cause is gone"
+                    )));
+                }
+                unmark();
+                return Err(instance_error(
+                    InstanceError::Attached(uuid.to_owned()),
+                    Op::Migrate,
+                    uuid,
+                ));
+            }
+            Err(e) => {
+                unmark();
+                return Err(instance_error(e, Op::Migrate, uuid));
+            }
+        }
+        lock(&self.outgoing).insert(uuid.to_owned(), outgoing);
+        Ok(())
+    }
+
+    /// `migrating_out` if `migrate_save` handed `uuid` over and nothing settled it yet.
+    fn check_not_outgoing(&self, uuid: &str) -> Result<(), ControlError> {
+        let to = lock(&self.outgoing)
+            .get(uuid)
+            .map(|o| o.to.clone())
+            .or_else(|| {
+                lock(&self.defs)
+                    .defined
+                    .get(uuid)
+                    .and_then(|d| d.migrating_to.clone())
+            });
+        match to {
+            None => Ok(()),
+            Some(to) => Err(ControlError::new(
+                ErrorKind::MigratingOut,
+                format!(
+                    "{uuid} was handed over to the daemon of {} by `umdev migrate`, which did \
+                     not settle",
+                    to.display()
+                ),
+            )
+            .hint(format!(
+                "`umdev migrate {uuid} --to {} --recover` settles it: the source's copy is \
+                 removed if the destination serves the instance, served again otherwise",
+                to.display()
+            ))),
+        }
     }
 
     /// The running instance `uuid`, or `no_such_instance` with a hint.
@@ -404,25 +546,113 @@ impl Service {
         }))
     }
 
-    /// `migrate_finish`: remove the source instance and its definition, unless a client is
-    /// attached or the state changed since `migrate_save`.
-    fn migrate_finish(&self, uuid: &str, expected: u64) -> Result<Reply, ControlError> {
+    /// `migrate_finish`: forget a handed-over instance: its kept state and its marked
+    /// definition.
+    fn migrate_finish(&self, uuid: &str) -> Result<Reply, ControlError> {
         let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
         let _claim = self.claim(&uuid)?;
-        let state = self
-            .registry
-            .save_state(&uuid)
-            .map_err(|e| instance_error(e, Op::Migrate, &uuid))?;
-        if digest(&state) != expected {
-            return Err(ControlError::new(
-                ErrorKind::Migration,
-                format!(
-                    "the state of {uuid} changed while it was migrated (a client attached \
-                     meanwhile): this daemon keeps it"
-                ),
-            ));
+        let held = lock(&self.outgoing).contains_key(&uuid);
+        let marked = lock(&self.defs)
+            .defined
+            .get(&uuid)
+            .is_some_and(|d| d.migrating_to.is_some());
+        if !held && !marked {
+            return Err(self.not_handed_over(&uuid));
         }
-        self.stop_or_remove_claimed(&uuid, false, Op::Remove)
+        let mut undefined = None;
+        if marked {
+            let path = self.store.path_of(&uuid);
+            self.store.delete(&path).map_err(|e| {
+                ControlError::new(
+                    ErrorKind::Io,
+                    format!("deleting the definition: {}", chain(&e)),
+                )
+            })?;
+            let mut defs = lock(&self.defs);
+            defs.defined.remove(&uuid);
+            defs.start_errors.remove(&uuid);
+            undefined = Some(path);
+        }
+        lock(&self.outgoing).remove(&uuid);
+        info!(
+            uuid,
+            "migration finished: the instance is the destination's"
+        );
+        Ok(Reply::Removed(RemovedReply {
+            uuid,
+            stopped: None,
+            undefined,
+        }))
+    }
+
+    /// `migrate_abort`: serve a handed-over instance again with its kept state, or (after a
+    /// restart of this daemon, which lost the state) from its marked definition; the mark
+    /// goes.
+    fn migrate_abort(&self, uuid: &str) -> Result<Reply, ControlError> {
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let _claim = self.claim(&uuid)?;
+        let marked = lock(&self.defs)
+            .defined
+            .get(&uuid)
+            .filter(|d| d.migrating_to.is_some())
+            .cloned();
+        let held = lock(&self.outgoing).remove(&uuid);
+        let info = match (held, &marked) {
+            (None, None) => return Err(self.not_handed_over(&uuid)),
+            (Some(held), _) => {
+                match self.registry.create_with_state(
+                    &held.type_spec,
+                    &uuid,
+                    &held.params,
+                    &held.state,
+                ) {
+                    Ok(info) => info,
+                    Err(e) => {
+                        let err = instance_error(e, Op::Migrate, &uuid).hint(
+                            "its state is kept here: settle the migration again once the cause \
+                             is gone",
+                        );
+                        lock(&self.outgoing).insert(uuid, held);
+                        return Err(err);
+                    }
+                }
+            }
+            (None, Some(def)) => {
+                warn!(
+                    uuid,
+                    "migration aborted after a restart of this daemon: its state is lost, the \
+                     instance starts from its definition"
+                );
+                let mut def = def.clone();
+                def.migrating_to = None;
+                self.start_definition(&def)
+                    .map_err(|e| instance_error(e, Op::Start, &uuid))?
+            }
+        };
+        if let Some(mut def) = marked {
+            def.migrating_to = None;
+            if let Err(e) = self.write_definition(def) {
+                warn!(uuid, error = %e.message, "the definition's migration mark could not be removed");
+            }
+        }
+        info!(uuid, "migration aborted: the instance serves here again");
+        let defs = lock(&self.defs);
+        Ok(Reply::Started(StartedReply {
+            instance: instance_row(info, &defs),
+            definition: None,
+        }))
+    }
+
+    fn not_handed_over(&self, uuid: &str) -> ControlError {
+        let why = if self.registry.instance(uuid).is_ok() {
+            "it runs here"
+        } else {
+            "this daemon has no instance or definition of it"
+        };
+        ControlError::new(
+            ErrorKind::Migration,
+            format!("{uuid} is not handed over by this daemon: {why}"),
+        )
     }
 
     fn types(&self) -> TypesReply {
@@ -490,9 +720,10 @@ impl Service {
         }
     }
 
-    /// The UUID is free for a new definition or instance: no definition (readable or
-    /// broken) and no running instance.
+    /// The UUID is free for a new definition or instance: not handed over, no definition
+    /// (readable or broken) and no running instance.
     fn check_free(&self, uuid: &str, op: Op) -> Result<(), ControlError> {
+        self.check_not_outgoing(uuid)?;
         let defs = lock(&self.defs);
         let in_use = |why: String| ControlError::new(ErrorKind::UuidInUse, why);
         if defs.defined.contains_key(uuid) {
@@ -548,6 +779,7 @@ impl Service {
             type_name: info.type_name.clone(),
             params: info.params.clone(),
             autostart,
+            migrating_to: None,
         };
         self.write_definition(def).inspect_err(|_| {
             warn!(
@@ -671,6 +903,7 @@ impl Service {
                     type_name: info.type_name,
                     params: info.params,
                     autostart: auto,
+                    migrating_to: None,
                 };
                 return self.finish_define(def, claim);
             }
@@ -686,6 +919,7 @@ impl Service {
                     type_name,
                     params: params.clone(),
                     autostart: auto,
+                    migrating_to: None,
                 }
             }
         };
@@ -763,6 +997,7 @@ impl Service {
                 }
             }
         };
+        self.check_not_outgoing(&uuid)?;
         if self.registry.instance(&uuid).is_ok() {
             return Err(ControlError::new(
                 ErrorKind::AlreadyRunning,
@@ -802,7 +1037,8 @@ impl Service {
                 defs.broken_of(&uuid).map(|b| b.path.clone())
             }
         };
-        if !running && (matches!(op, Op::Stop) || def_path.is_none()) {
+        let outgoing = matches!(op, Op::Remove) && lock(&self.outgoing).contains_key(&uuid);
+        if !running && (matches!(op, Op::Stop) || (def_path.is_none() && !outgoing)) {
             let mut e = ControlError::new(ErrorKind::NotRunning, format!("{uuid} is not running"));
             if matches!(op, Op::Remove) {
                 e = ControlError::new(
@@ -840,6 +1076,9 @@ impl Service {
             defs.start_errors.remove(&uuid);
             info!(uuid, path = %path.display(), "undefined");
             undefined = Some(path);
+        }
+        if outgoing && lock(&self.outgoing).remove(&uuid).is_some() {
+            info!(uuid, "the state kept for a migration was dropped");
         }
         Ok(Reply::Removed(RemovedReply {
             uuid,

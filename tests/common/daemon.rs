@@ -18,20 +18,41 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub child: Option<Child>,
     pub extra: Vec<String>,
+    /// Give the daemon its directories as paths relative to its working directory (`dir`).
+    pub relative: bool,
+    /// The daemon's RLIMIT_NOFILE, if set (before a start).
+    pub nofile: Option<u64>,
     starts: usize,
 }
 
 impl Daemon {
     /// Start a daemon with `extra` flags; returns once it answers requests.
     pub fn start(extra: &[&str]) -> Daemon {
-        let mut d = Daemon {
+        Daemon::start_with(extra, false)
+    }
+
+    /// [`Daemon::start`], the directories given relative to the daemon's working directory.
+    pub fn start_relative(extra: &[&str]) -> Daemon {
+        Daemon::start_with(extra, true)
+    }
+
+    fn start_with(extra: &[&str], relative: bool) -> Daemon {
+        let mut d = Daemon::unstarted(extra);
+        d.relative = relative;
+        d.restart();
+        d
+    }
+
+    /// A daemon not started yet: set its fields, then [`Daemon::restart`].
+    pub fn unstarted(extra: &[&str]) -> Daemon {
+        Daemon {
             dir: tempfile::tempdir().unwrap(),
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            relative: false,
+            nofile: None,
             starts: 0,
-        };
-        d.restart();
-        d
+        }
     }
 
     pub fn state(&self) -> PathBuf {
@@ -57,16 +78,36 @@ impl Daemon {
 
     pub fn command(&self) -> Command {
         let mut c = Command::new(BIN);
+        let (state, sockets) = if self.relative {
+            c.current_dir(self.dir.path());
+            (PathBuf::from("state"), PathBuf::from("sockets"))
+        } else {
+            (self.state(), self.sockets())
+        };
         c.arg("daemon")
             .arg("--state-dir")
-            .arg(self.state())
+            .arg(state)
             .arg("--socket-dir")
-            .arg(self.sockets())
+            .arg(sockets)
             .args(&self.extra)
             .env("RUST_LOG", "info")
             .env_remove("UMDEV_CONTROL")
             .stdin(Stdio::null())
             .stdout(Stdio::null());
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            let limit = libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            };
+            // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
+            unsafe {
+                c.pre_exec(move || match libc::setrlimit(libc::RLIMIT_NOFILE, &limit) {
+                    0 => Ok(()),
+                    _ => Err(std::io::Error::last_os_error()),
+                });
+            }
+        }
         c
     }
 
