@@ -60,7 +60,14 @@ impl DmaSpace {
             return Err(DmaError::TooManyMaps { limit });
         }
         let mem = match fd {
-            Some(fd) => Some(map_fd(&fd, len, offset, size, prot)?),
+            Some(fd) => Some(map_fd(
+                &fd,
+                len,
+                offset,
+                size,
+                prot,
+                &self.allow_any_file_maps,
+            )?),
             None => None,
         };
         let region = Arc::new(Region::new(iova, size, prot, mem));
@@ -227,14 +234,17 @@ impl DmaSpace {
     }
 }
 
-/// Check the file is large enough and mmap it.
+/// Check the file is one whose faults no client stalls (unless `allow_any`: `backing.rs`)
+/// and large enough, and mmap it.
 fn map_fd(
     fd: &OwnedFd,
     len: usize,
     offset: u64,
     size: u64,
     prot: super::Prot,
+    allow_any: &std::sync::atomic::AtomicBool,
 ) -> Result<HostMem, DmaError> {
+    super::backing::check_backing(fd.as_fd(), allow_any.load(Relaxed))?;
     let need = offset.checked_add(size).ok_or(DmaError::Overflow {
         what: "DMA mapping offset + size",
     })?;

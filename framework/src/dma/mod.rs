@@ -59,6 +59,7 @@
 //! copies started while BME was set stay valid and finish. The check is one relaxed load; a
 //! call that raced with the change may see either value.
 
+mod backing;
 #[cfg(test)]
 mod bus_master_tests;
 mod coalesce;
@@ -255,6 +256,8 @@ pub struct DmaSpace {
     graveyard: Mutex<Vec<HostMem>>,
     /// Bus Master Enable: device DMA is refused while false (see module docs).
     bus_master: AtomicBool,
+    /// Map fds of any file, not only tmpfs/hugetlbfs ones (`backing.rs`).
+    allow_any_file_maps: AtomicBool,
 }
 
 fn policy_to_u8(p: PinPolicy) -> u8 {
@@ -290,6 +293,7 @@ impl DmaSpace {
             dirty_shift: AtomicU32::new(PAGE_SHIFT),
             graveyard: Mutex::new(Vec::new()),
             bus_master: AtomicBool::new(true),
+            allow_any_file_maps: AtomicBool::new(false),
         })
     }
 
@@ -420,6 +424,13 @@ impl DmaSpace {
         let _pin = self.pin_lock();
         self.lock_limit_pages
             .store(lock_limit_pages(bytes), Relaxed);
+    }
+
+    /// Accept fd-backed DMA_MAPs of any mmappable file (`true`), or only of memfd,
+    /// shmem/tmpfs and hugetlbfs files (`false`, the default): faults on other files are
+    /// served by someone a client may control. Applies to later DMA_MAPs.
+    pub fn set_allow_any_file_maps(&self, allow: bool) {
+        self.allow_any_file_maps.store(allow, Relaxed);
     }
 
     /// Set the negotiated max_dma_maps (applies to later DMA_MAPs).

@@ -287,6 +287,8 @@ impl Connection {
         self.dma
             .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
         self.dma.set_max_dma_maps(n.max_dma_maps);
+        self.dma
+            .set_allow_any_file_maps(self.config.allow_any_file_maps);
         self.negotiated = true;
         if let Err(e) = self.chan.set_read_timeout(None) {
             warn!(error = %e, "cannot lift the negotiation timeout");
