@@ -325,6 +325,32 @@ mod tests {
     }
 
     #[test]
+    fn test_vector_set_bus_master_clear_drops_unmasked_keeps_masked_pending() {
+        let set = VectorSet::new(4);
+        set.set_enabled(4);
+        let (log, rec) = recorder();
+        assert!(!set.set_bus_master(false), "set → clear asks for no flush");
+        assert!(!set.trigger(0, |v| rec(&log, v)), "unmasked: dropped");
+        assert!(!set.is_pending(0), "and not pending");
+        set.set_mask(MaskSource::Guest, 1, true, |v| rec(&log, v));
+        set.trigger(1, |v| rec(&log, v));
+        set.set_mask(MaskSource::Guest, 1, false, |v| rec(&log, v));
+        assert!(
+            log.lock().unwrap().is_empty(),
+            "nothing sent while BME is clear"
+        );
+        assert!(
+            set.is_pending(1),
+            "the pending bit waits for the message to go out"
+        );
+        assert!(set.set_bus_master(true), "clear → set: the caller flushes");
+        assert!(!set.set_bus_master(true), "set → set: nothing to flush");
+        set.flush_all(|v| rec(&log, v));
+        assert_eq!(*log.lock().unwrap(), vec![1]);
+        assert!(!set.is_pending(1));
+    }
+
+    #[test]
     fn test_vector_set_concurrent_trigger_and_unmask_loses_nothing() {
         use std::sync::atomic::AtomicU64;
         use std::sync::Arc;
