@@ -66,6 +66,12 @@ pub struct RunArgs {
     /// Record every pin array the device issues to FILE (replay with `umdev bench pin --trace`).
     #[arg(long, value_name = "FILE")]
     pub record_pins: Option<PathBuf>,
+    /// Accept DMA_MAP of any mmappable file, not only memfd/tmpfs/hugetlbfs ones (for a
+    /// trusted client whose guest RAM is a file on disk, e.g. libvfio-user's sample client
+    /// on a host whose /tmp is not tmpfs). Faults on such files are served by their
+    /// filesystem; a hostile one (FUSE) could stall this device.
+    #[arg(long)]
+    pub allow_any_file_maps: bool,
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -116,6 +122,7 @@ pub fn run(args: RunArgs) -> CliResult {
     let device = build_device(args.device, &args)?;
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
+    config.allow_any_file_maps = args.allow_any_file_maps;
     let server = Server::new(config, device, Arc::clone(&dma)).spawn()?;
     tracing::info!(
         "serving {:?} on {} (pin policy {:?}); Ctrl-C to stop",

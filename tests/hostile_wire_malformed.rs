@@ -28,7 +28,7 @@ const ENOSYS: u32 = libc::ENOSYS as u32;
 const ENOTSUP: u32 = libc::ENOTSUP as u32;
 const E2BIG: u32 = libc::E2BIG as u32;
 const EEXIST: u32 = libc::EEXIST as u32;
-const ENODEV: u32 = libc::ENODEV as u32;
+const EPERM: u32 = libc::EPERM as u32;
 const EACCES: u32 = libc::EACCES as u32;
 
 /// The mapping every case runs next to (so overlaps and partial unmaps have a target).
@@ -310,18 +310,19 @@ fn cases(f: &Fds) -> Vec<Case> {
             EINVAL,
         ),
         case(
+            // Not a memfd/tmpfs/hugetlbfs file: refused before any mmap (dma_map_backing.rs).
             "DMA_MAP pipe fd",
             DmaMap,
             map_req(1, 0, 0x20_0000, 0x1000),
             &[f.pipe.0.as_raw_fd()],
-            ENODEV,
+            EPERM,
         ),
         case(
             "DMA_MAP directory fd",
             DmaMap,
             map_req(1, 0, 0x20_0000, 0x1000),
             &[f.dir.as_raw_fd()],
-            ENODEV,
+            EPERM,
         ),
         case(
             "DMA_MAP writable map of a read-only fd",

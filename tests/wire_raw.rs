@@ -433,3 +433,27 @@ fn test_raw_dma_unmap_flag_all_removes_every_map() {
     assert_eq!(ts.dma().stats().maps, 0);
     assert_eq!(ts.state().unmaps.len(), 3, "device notified for each map");
 }
+
+#[test]
+fn test_raw_region_access_over_negotiated_xfer_size_e2big() {
+    let ts = TestServer::start();
+    // The server offers 1 MiB; the client only 1024 (libvfio-user's sample client does):
+    // the negotiated 1024 bounds what the server accepts, as region-access.md says.
+    let caps = "{\"capabilities\":{\"max_msg_fds\":8,\"max_data_xfer_size\":1024}}";
+    let (mut c, _) = RawClient::negotiated(ts.path(), caps);
+    let r = c.region_write(2, 0, &vec![0x5a; 12 * 1024], 0).unwrap();
+    assert!(r.header.is_error(), "a 12 KiB REGION_WRITE must be refused");
+    assert_eq!(r.header.error, libc::E2BIG as u32);
+    let read = RegionAccess {
+        offset: 0,
+        region: 2,
+        count: 1025,
+    };
+    assert_eq!(
+        c.expect_error(Command::RegionRead as u16, &read.encode(), &[]),
+        libc::E2BIG as u32
+    );
+    let r = c.region_write(2, 0, &[0xa5; 1024], 0).unwrap();
+    assert!(!r.header.is_error(), "1024 bytes fit");
+    assert_eq!(c.region_read(2, 0, 1024), vec![0xa5; 1024]);
+}

@@ -147,6 +147,20 @@ pub enum DmaError {
     /// A client-sized allocation was refused or failed (ENOMEM).
     #[error("out of memory: {0}")]
     NoMemory(&'static str),
+    /// An fd-backed DMA_MAP of a file whose page faults someone else serves (EPERM; see
+    /// `backing.rs`).
+    #[error(
+        "DMA_MAP fd refused: {what} (filesystem magic {magic:#x}); only memfd, shmem/tmpfs \
+         (/dev/shm) and hugetlbfs files are accepted, since faults on other files are served by \
+         someone a client may control (e.g. a FUSE daemon) and would stall device threads; \
+         ServerConfig::allow_any_file_maps lifts this for trusted clients"
+    )]
+    BackingRefused {
+        /// What the file is (a filesystem name, or "not a regular file").
+        what: &'static str,
+        /// `fstatfs` f_type.
+        magic: i64,
+    },
     /// A malformed argument (EINVAL).
     #[error("invalid argument: {0}")]
     InvalidArgument(&'static str),
@@ -198,6 +212,7 @@ impl DmaError {
             DmaError::InvalidArgument(_) => libc::EINVAL,
             DmaError::Busy(_) => libc::EBUSY,
             DmaError::BusMasterDisabled { .. } => libc::EACCES,
+            DmaError::BackingRefused { .. } => libc::EPERM,
         }
     }
 }

@@ -63,7 +63,7 @@ impl DmaSpace {
             Some(fd) => {
                 // The process's map budget, before anything is mapped (see `budget`).
                 let charge = self.maps_account.charge().map_err(DmaError::MapBudget)?;
-                let mut mem = map_fd(&fd, len, offset, size, prot)?;
+                let mut mem = map_fd(&fd, len, offset, size, prot, &self.allow_any_file_maps)?;
                 mem.hold(charge);
                 Some(mem)
             }
@@ -233,14 +233,17 @@ impl DmaSpace {
     }
 }
 
-/// Check the file is large enough and mmap it.
+/// Check the file is one whose faults no client stalls (unless `allow_any`: `backing.rs`)
+/// and large enough, and mmap it.
 fn map_fd(
     fd: &OwnedFd,
     len: usize,
     offset: u64,
     size: u64,
     prot: super::Prot,
+    allow_any: &std::sync::atomic::AtomicBool,
 ) -> Result<HostMem, DmaError> {
+    super::backing::check_backing(fd.as_fd(), allow_any.load(Relaxed))?;
     let need = offset.checked_add(size).ok_or(DmaError::Overflow {
         what: "DMA mapping offset + size",
     })?;

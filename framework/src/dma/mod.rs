@@ -62,6 +62,7 @@
 //! copies started while BME was set stay valid and finish. The check is one relaxed load; a
 //! call that raced with the change may see either value.
 
+mod backing;
 mod budget;
 #[cfg(test)]
 mod bus_master_tests;
@@ -284,6 +285,8 @@ pub struct DmaSpace {
     bus_master: AtomicBool,
     /// This space's account in the budget of fd-backed maps (see `budget`).
     maps_account: Arc<budget::MapAccount>,
+    /// Map fds of any file, not only tmpfs/hugetlbfs ones (`backing.rs`).
+    allow_any_file_maps: AtomicBool,
 }
 
 fn policy_to_u8(p: PinPolicy) -> u8 {
@@ -323,6 +326,7 @@ impl DmaSpace {
             graveyard: Mutex::new(Vec::new()),
             bus_master: AtomicBool::new(true),
             maps_account,
+            allow_any_file_maps: AtomicBool::new(false),
         })
     }
 
@@ -460,6 +464,13 @@ impl DmaSpace {
         let _pin = self.pin_lock();
         self.lock_limit_pages
             .store(lock_limit_pages(bytes), Relaxed);
+    }
+
+    /// Accept fd-backed DMA_MAPs of any mmappable file (`true`), or only of memfd,
+    /// shmem/tmpfs and hugetlbfs files (`false`, the default): faults on other files are
+    /// served by someone a client may control. Applies to later DMA_MAPs.
+    pub fn set_allow_any_file_maps(&self, allow: bool) {
+        self.allow_any_file_maps.store(allow, Relaxed);
     }
 
     /// Set the negotiated max_dma_maps (applies to later DMA_MAPs).

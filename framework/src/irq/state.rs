@@ -90,6 +90,27 @@ impl IrqState {
         self.eventfds.fire(irq_index::MSIX, vector)
     }
 
+    /// Command register BUS_MASTER: while it is clear no MSI/MSI-X message is sent (a
+    /// trigger on an unmasked vector is dropped, a masked one still pends; see
+    /// `vector_set.rs`); setting it sends what pended meanwhile and is now unmasked. INTx is
+    /// not bus mastering and is unaffected; the SET_IRQS TRIGGER loopback (the client
+    /// firing its own eventfds) is not either.
+    pub(crate) fn set_bus_master(&self, enabled: bool) {
+        if self.msi.set_bus_master(enabled) {
+            self.msi.flush_all(|v| self.send_msi(v));
+        }
+        if self.msix.set_bus_master(enabled) {
+            self.msix.flush_all(|v| self.send_msix(v));
+        }
+    }
+
+    /// Bus Master from a migrated config space: set, sending nothing (the device is
+    /// stopped; resuming sends what is deliverable).
+    pub(crate) fn restore_bus_master(&self, enabled: bool) {
+        self.msi.set_bus_master(enabled);
+        self.msix.set_bus_master(enabled);
+    }
+
     /// Command register INTX_DISABLE.
     pub(crate) fn set_intx_disabled(&self, disabled: bool) {
         if self.intx.disabled() != disabled {

@@ -5,6 +5,14 @@
 //! SET_IRQS MASK. A trigger on a masked vector sets its pending bit; the pending message is
 //! sent when the last mask source is cleared.
 //!
+//! **Bus Master Enable** gates the sending, not the masking (an MSI is a memory write, and
+//! a PCI function may not write memory while the guest has BME clear; QEMU's own devices
+//! behave the same, their MSI writes go through the bus-master address space): a trigger on
+//! an unmasked vector while BME is clear is dropped (no pending bit: the spec defines
+//! pending for masked vectors only); a masked vector still records its pending bit, and
+//! that bit is cleared only when the message is sent (the MSI-X rule), so a vector
+//! unmasked while BME is clear keeps it and the message goes out when BME is set again.
+//!
 //! Everything is atomic so that device threads trigger without a lock while the connection
 //! thread changes masks. The protocol that avoids lost interrupts: a trigger sets the pending
 //! bit *then* re-checks the mask; an unmask clears the mask *then* takes the pending bit.
@@ -27,6 +35,7 @@ pub(crate) struct VectorSet {
     count: u32,
     enabled: AtomicU32,
     group_mask: AtomicBool,
+    bus_master: AtomicBool,
     guest_mask: Box<[AtomicU64]>,
     client_mask: Box<[AtomicU64]>,
     pending: Box<[AtomicU64]>,
@@ -41,12 +50,14 @@ fn locate(vector: u32) -> (usize, u64) {
 }
 
 impl VectorSet {
-    /// `count` vectors, all unmasked, none pending, none enabled.
+    /// `count` vectors, all unmasked, none pending, none enabled, Bus Master set (the PCI
+    /// adapter pushes the command register's bit in before anything triggers).
     pub(crate) fn new(count: u32) -> VectorSet {
         VectorSet {
             count,
             enabled: AtomicU32::new(0),
             group_mask: AtomicBool::new(false),
+            bus_master: AtomicBool::new(true),
             guest_mask: bitmap(count),
             client_mask: bitmap(count),
             pending: bitmap(count),
@@ -108,13 +119,18 @@ impl VectorSet {
         self.pending.get(word).map_or(0, |p| p.load(SeqCst))
     }
 
-    /// Raise `vector`: send it with `send` if unmasked, else mark it pending. Returns what
-    /// `send` returned, or false if the vector is not enabled, masked or out of range.
+    /// Raise `vector`: send it with `send` if unmasked, else mark it pending; dropped if
+    /// unmasked while Bus Master is clear. Returns what `send` returned, or false if the
+    /// vector is not enabled, masked, out of range or dropped.
     pub(crate) fn trigger(&self, vector: u32, send: impl Fn(u32) -> bool) -> bool {
         if vector >= self.enabled() {
             return false;
         }
         if !self.is_masked(vector) {
+            if !self.bus_master.load(SeqCst) {
+                tracing::debug!(vector, "interrupt dropped: Bus Master Enable is clear");
+                return false;
+            }
             return send(vector);
         }
         let (w, b) = locate(vector);
@@ -153,6 +169,14 @@ impl VectorSet {
         if was && !masked {
             self.flush_all(send);
         }
+    }
+
+    /// The command register's Bus Master Enable. Returns true if it went from clear to set:
+    /// the caller then sends what is pending and unmasked ([`VectorSet::flush_all`]), unless
+    /// the device is stopped (a migration restore).
+    pub(crate) fn set_bus_master(&self, enabled: bool) -> bool {
+        let was = self.bus_master.swap(enabled, SeqCst);
+        enabled && !was
     }
 
     /// Send every pending vector that is no longer masked.
@@ -202,9 +226,10 @@ impl VectorSet {
         }
     }
 
-    /// If `vector` is unmasked, enabled and pending, take the pending bit and send it.
+    /// If `vector` is unmasked, enabled and pending and Bus Master is set, take the pending
+    /// bit and send it.
     fn flush(&self, vector: u32, send: impl Fn(u32) -> bool) -> bool {
-        if vector >= self.enabled() || self.is_masked(vector) {
+        if vector >= self.enabled() || self.is_masked(vector) || !self.bus_master.load(SeqCst) {
             return false;
         }
         let (w, b) = locate(vector);
@@ -297,6 +322,32 @@ mod tests {
         assert!(!set.trigger(2, |v| rec(&log, v)));
         assert!(!set.trigger(u32::MAX, |v| rec(&log, v)));
         assert!(log.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn test_vector_set_bus_master_clear_drops_unmasked_keeps_masked_pending() {
+        let set = VectorSet::new(4);
+        set.set_enabled(4);
+        let (log, rec) = recorder();
+        assert!(!set.set_bus_master(false), "set → clear asks for no flush");
+        assert!(!set.trigger(0, |v| rec(&log, v)), "unmasked: dropped");
+        assert!(!set.is_pending(0), "and not pending");
+        set.set_mask(MaskSource::Guest, 1, true, |v| rec(&log, v));
+        set.trigger(1, |v| rec(&log, v));
+        set.set_mask(MaskSource::Guest, 1, false, |v| rec(&log, v));
+        assert!(
+            log.lock().unwrap().is_empty(),
+            "nothing sent while BME is clear"
+        );
+        assert!(
+            set.is_pending(1),
+            "the pending bit waits for the message to go out"
+        );
+        assert!(set.set_bus_master(true), "clear → set: the caller flushes");
+        assert!(!set.set_bus_master(true), "set → set: nothing to flush");
+        set.flush_all(|v| rec(&log, v));
+        assert_eq!(*log.lock().unwrap(), vec![1]);
+        assert!(!set.is_pending(1));
     }
 
     #[test]

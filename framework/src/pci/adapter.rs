@@ -7,7 +7,8 @@
 //! It also drives the DMA space's Bus Master switch ([`DmaSpace::set_bus_master`]) from the
 //! command register's BUS_MASTER bit: at attach (the reset value, clear), after every config
 //! write and after reset, so a device whose guest cleared BME cannot touch guest memory, no
-//! matter how the device is written. A change is logged at info level once.
+//! matter how the device is written. A change is logged at info level once. The same bit
+//! gates MSI/MSI-X delivery in the interrupt state (an MSI is a memory write).
 
 use std::sync::Arc;
 
@@ -109,6 +110,8 @@ impl<D: PciDevice> PciAdapter<D> {
             u32::from(msix_vectors),
         ));
         tracing::debug!(ids = ?config.ids, bars = config.bars.len(), "PCI adapter built");
+        // Bus Master is clear at power-on: no MSI/MSI-X until the guest sets it.
+        irq.set_bus_master(space.u16(reg::COMMAND) & command::BUS_MASTER != 0);
         Ok(PciAdapter {
             dev,
             msix_table: config.msix.map(|m| MsixTable::new(m.vectors)),
@@ -153,9 +156,15 @@ impl<D: PciDevice> PciAdapter<D> {
     /// Push the command register's BUS_MASTER bit into the DMA space's switch. A change
     /// is logged once (info when the guest or a reset made it, debug at attach); writes that
     /// leave the bit as it was log nothing.
+    /// The same bit gates MSI/MSI-X sending ([`IrqState::set_bus_master`]), before attach
+    /// too.
     fn sync_bus_master(&self, cause: BmeCause) {
-        let Some(dma) = &self.dma else { return };
         let enabled = self.bus_master_enabled();
+        match cause {
+            BmeCause::Migration => self.irq.restore_bus_master(enabled),
+            _ => self.irq.set_bus_master(enabled),
+        }
+        let Some(dma) = &self.dma else { return };
         if dma.set_bus_master(enabled) == enabled {
             return;
         }

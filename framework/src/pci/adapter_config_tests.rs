@@ -276,7 +276,9 @@ fn test_reset_restores_config_defaults_and_resets_device() {
     assert_eq!(a.device().resets, 1);
     let irq = irq_of(&a);
     assert_eq!(irq.mode(), crate::irq::IrqMode::Intx);
-    // Eventfds survive a reset: enabling MSI-X again delivers without a new SET_IRQS.
+    // Eventfds survive a reset: enabling MSI-X (and Bus Master, which the reset cleared)
+    // again delivers without a new SET_IRQS.
+    bus_master_on(&mut a);
     cfg_write(&mut a, 0x5a, 2, 0x8000);
     assert!(irq.trigger(3));
     assert!(fired(&fds[3]));

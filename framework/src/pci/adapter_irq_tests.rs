@@ -36,6 +36,7 @@ fn test_msix_table_write_reads_back() {
 #[test]
 fn test_msix_masked_vector_sets_pending_and_fires_on_unmask() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSIX, 8);
     let irq = irq_of(&a);
     cfg_write(&mut a, MSIX_CTL, 2, 0x8000);
@@ -58,6 +59,7 @@ fn test_msix_masked_vector_sets_pending_and_fires_on_unmask() {
 #[test]
 fn test_msix_function_mask_defers_until_cleared() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSIX, 8);
     let irq = irq_of(&a);
     cfg_write(&mut a, MSIX_CTL, 2, 0xc000);
@@ -72,6 +74,7 @@ fn test_msix_function_mask_defers_until_cleared() {
 #[test]
 fn test_msix_set_irqs_mask_is_honoured() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSIX, 8);
     let irq = irq_of(&a);
     cfg_write(&mut a, MSIX_CTL, 2, 0x8000);
@@ -125,6 +128,7 @@ fn test_msix_disabled_falls_back_to_msi_then_intx() {
 #[test]
 fn test_msi_enable_trigger_fires_the_right_eventfd() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSI, 4);
     let irq = irq_of(&a);
     cfg_write(&mut a, 0x44, 4, 0xfee0_0000);
@@ -141,6 +145,7 @@ fn test_msi_enable_trigger_fires_the_right_eventfd() {
 #[test]
 fn test_msi_mask_bit_pends_and_unmask_fires() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSI, 4);
     let irq = irq_of(&a);
     cfg_write(&mut a, MSI_CTL, 2, 0x0021);
@@ -230,6 +235,7 @@ fn test_set_irqs_trigger_without_data_fires_loopback() {
 #[test]
 fn test_trigger_from_worker_thread_delivers() {
     let mut a = adapter(full_config());
+    bus_master_on(&mut a);
     let fds = attach_eventfds(&mut a, irq_index::MSIX, 8);
     cfg_write(&mut a, MSIX_CTL, 2, 0x8000);
     let irq = irq_of(&a);

@@ -128,6 +128,11 @@ pub(crate) fn cfg_write(a: &mut PciAdapter<TestDevice>, offset: u64, len: usize,
         .unwrap();
 }
 
+/// Set memory decoding and Bus Master (MSI/MSI-X are sent only with BME set).
+pub(crate) fn bus_master_on(a: &mut PciAdapter<TestDevice>) {
+    cfg_write(a, 0x04, 2, 0x0006);
+}
+
 pub(crate) fn bar_read32(a: &mut PciAdapter<TestDevice>, bar: u32, offset: u64) -> u32 {
     let mut buf = [0u8; 4];
     a.region_read(bar, offset, &mut buf).unwrap();

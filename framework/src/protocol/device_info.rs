@@ -38,19 +38,23 @@ fn no_fds(what: &'static str, nfds: usize) -> Result<(), ProtocolError> {
     Ok(())
 }
 
-fn fixed<'a>(
+/// The fixed part of an info query: at least `size` bytes. Trailing bytes are ignored, as the
+/// kernel's ioctls ignore what follows the fixed struct: argsz is the size of the client's
+/// *reply* buffer, and a client that sends argsz bytes (libvfio-user's does, for a retry
+/// with room for capabilities) sends that buffer, zeroed.
+fn at_least<'a>(
     what: &'static str,
     payload: &'a [u8],
     size: usize,
 ) -> Result<Reader<'a>, ProtocolError> {
-    if payload.len() != size {
-        return Err(ProtocolError::BadPayloadSize {
+    if payload.len() < size {
+        return Err(ProtocolError::Truncated {
             what,
-            expected: size,
+            need: size,
             got: payload.len(),
         });
     }
-    Ok(Reader::new(payload, what))
+    Ok(Reader::new(&payload[..size], what))
 }
 
 fn min_argsz(what: &'static str, argsz: u32, min: usize) -> Result<(), ProtocolError> {
@@ -64,10 +68,10 @@ fn min_argsz(what: &'static str, argsz: u32, min: usize) -> Result<(), ProtocolE
     Ok(())
 }
 
-/// Validate a DEVICE_GET_INFO request (payload 16 bytes, argsz ≥ 16, no fds).
+/// Validate a DEVICE_GET_INFO request (payload ≥ 16 bytes, argsz ≥ 16, no fds).
 pub fn decode_device_info(payload: &[u8], nfds: usize) -> Result<u32, ProtocolError> {
     no_fds("DEVICE_GET_INFO", nfds)?;
-    let mut r = fixed("DEVICE_GET_INFO", payload, DEVICE_INFO_SIZE)?;
+    let mut r = at_least("DEVICE_GET_INFO", payload, DEVICE_INFO_SIZE)?;
     let argsz = r.u32()?;
     min_argsz("DEVICE_GET_INFO", argsz, DEVICE_INFO_SIZE)?;
     Ok(argsz)
@@ -93,10 +97,10 @@ pub struct RegionInfoRequest {
 }
 
 impl RegionInfoRequest {
-    /// Decode: payload 32 bytes, argsz ≥ 32, no fds.
+    /// Decode: payload ≥ 32 bytes (trailing bytes ignored), argsz ≥ 32, no fds.
     pub fn decode(payload: &[u8], nfds: usize) -> Result<Self, ProtocolError> {
         no_fds("DEVICE_GET_REGION_INFO", nfds)?;
-        let mut r = fixed("DEVICE_GET_REGION_INFO", payload, REGION_INFO_SIZE)?;
+        let mut r = at_least("DEVICE_GET_REGION_INFO", payload, REGION_INFO_SIZE)?;
         let argsz = r.u32()?;
         let _flags = r.u32()?;
         let index = r.u32()?;
@@ -165,9 +169,19 @@ impl RegionInfoReply {
         v
     }
 
-    /// True if the region is mappable (an fd goes with the reply).
+    /// True if the region is mappable.
     pub fn mappable(&self) -> bool {
         self.flags & VFIO_REGION_INFO_FLAG_MMAP != 0
+    }
+
+    /// True if the region fd goes with the reply to a request with `argsz`: the region is
+    /// mappable and the reply is the full one (capabilities included). The short reply that
+    /// only says how much room is needed carries no fd, as libvfio-user's server does: its
+    /// client probes with no room for a control message and fails (`EFAULT`, truncated
+    /// control data) if one comes; QEMU closes an fd from the short reply and keeps the
+    /// one of the full reply, so it works either way.
+    pub fn fd_goes_with(&self, argsz: u32) -> bool {
+        self.mappable() && argsz as usize >= self.full_size()
     }
 }
 
@@ -181,10 +195,11 @@ pub struct RegionIoFdsRequest {
 }
 
 impl RegionIoFdsRequest {
-    /// Decode: payload 16 bytes, argsz ≥ 16, flags and count 0, no fds.
+    /// Decode: payload ≥ 16 bytes (trailing bytes ignored), argsz ≥ 16, flags and count 0,
+    /// no fds.
     pub fn decode(payload: &[u8], nfds: usize) -> Result<Self, ProtocolError> {
         no_fds("DEVICE_GET_REGION_IO_FDS", nfds)?;
-        let mut r = fixed("DEVICE_GET_REGION_IO_FDS", payload, REGION_IO_FDS_SIZE)?;
+        let mut r = at_least("DEVICE_GET_REGION_IO_FDS", payload, REGION_IO_FDS_SIZE)?;
         let argsz = r.u32()?;
         let flags = r.u32()?;
         let index = r.u32()?;
@@ -216,10 +231,11 @@ impl RegionIoFdsRequest {
     }
 }
 
-/// Validate a GET_IRQ_INFO request; returns the index.
+/// Validate a GET_IRQ_INFO request (payload ≥ 16 bytes, trailing bytes ignored, argsz ≥ 16,
+/// no fds); returns the index.
 pub fn decode_irq_info(payload: &[u8], nfds: usize) -> Result<u32, ProtocolError> {
     no_fds("DEVICE_GET_IRQ_INFO", nfds)?;
-    let mut r = fixed("DEVICE_GET_IRQ_INFO", payload, IRQ_INFO_SIZE)?;
+    let mut r = at_least("DEVICE_GET_IRQ_INFO", payload, IRQ_INFO_SIZE)?;
     let argsz = r.u32()?;
     let _flags = r.u32()?;
     let index = r.u32()?;
@@ -288,6 +304,64 @@ mod tests {
         assert!(RegionInfoRequest::decode(&p, 0).is_ok());
         assert!(RegionInfoRequest::decode(&p, 1).is_err());
         assert!(RegionInfoRequest::decode(&p[..20], 0).is_err());
+    }
+
+    #[test]
+    fn test_region_info_fd_short_reply_withheld_full_reply_carries_it() {
+        let mut r = RegionInfoReply {
+            index: 2,
+            flags: VFIO_REGION_INFO_FLAG_MMAP | 3,
+            size: 0x10000,
+            offset: 0,
+            sparse_areas: vec![(0, 0x10000)],
+        };
+        assert!(!r.fd_goes_with(32), "the probe has no room for the caps");
+        assert!(!r.fd_goes_with(63));
+        assert!(r.fd_goes_with(64));
+        assert!(r.fd_goes_with(4096));
+        r.flags &= !VFIO_REGION_INFO_FLAG_MMAP;
+        assert!(
+            !r.fd_goes_with(4096),
+            "no fd for a region that is not mappable"
+        );
+    }
+
+    #[test]
+    fn test_info_requests_trailing_bytes_accepted_short_rejected() {
+        // libvfio-user's client sends argsz bytes (its whole reply buffer, zeroed).
+        let mut p = Vec::new();
+        p.put_u32(64);
+        p.put_u32(0);
+        p.put_u32(2);
+        p.extend_from_slice(&[0; 52]);
+        assert_eq!(
+            RegionInfoRequest::decode(&p, 0).unwrap(),
+            RegionInfoRequest {
+                argsz: 64,
+                index: 2
+            }
+        );
+        assert!(RegionInfoRequest::decode(&p[..31], 0).is_err());
+        let mut q = Vec::new();
+        q.put_u32(32);
+        q.put_u32(0);
+        q.put_u32(3);
+        q.extend_from_slice(&[0; 20]);
+        assert_eq!(decode_irq_info(&q, 0).unwrap(), 3);
+        assert_eq!(decode_device_info(&q, 0).unwrap(), 32);
+        let mut f = vec![0u8; 24];
+        f[..4].copy_from_slice(&24u32.to_ne_bytes());
+        f[8..12].copy_from_slice(&1u32.to_ne_bytes());
+        assert_eq!(
+            RegionIoFdsRequest::decode(&f, 0).unwrap(),
+            RegionIoFdsRequest {
+                argsz: 24,
+                index: 1
+            }
+        );
+        assert!(decode_irq_info(&q[..15], 0).is_err());
+        assert!(decode_device_info(&q[..15], 0).is_err());
+        assert!(RegionIoFdsRequest::decode(&f[..15], 0).is_err());
     }
 
     #[test]

@@ -426,6 +426,10 @@ pub struct ServerOffer {
 pub struct Negotiated {
     /// The reply (version + capabilities).
     pub reply: Version,
+    /// The reply is longer than the client's request even after dropping every key that
+    /// may be dropped (the caller logs it; a client whose reply buffer is its request's
+    /// size, as QEMU's, would refuse it).
+    pub reply_longer_than_request: bool,
     /// Max fds the client accepts from us in one message.
     pub client_max_msg_fds: u32,
     /// Largest transfer in either direction.
@@ -442,7 +446,8 @@ pub struct Negotiated {
 /// `UnsupportedVersion`), minor ≤ the client's, capabilities a subset of the proposal,
 /// numbers the minimum of both sides. `request_size` is the size of the client's whole
 /// message: the reply is kept no longer (QEMU's reply buffer is the request's size) by
-/// dropping optional keys.
+/// dropping keys whose absence loses nothing or only makes the client do less; `migration`
+/// and limits the client must know are never dropped (see `reply_longer_than_request`).
 pub fn negotiate(
     client: &Version,
     offer: &ServerOffer,
@@ -478,7 +483,7 @@ pub fn negotiate(
         write_multiple,
         migration,
         migration_pgsize: migration.then_some(offer.pgsize),
-        migration_max_bitmap_size: migration.then_some(u64::from(offer.max_data_xfer_size)),
+        migration_max_bitmap_size: migration.then_some(u64::from(xfer)),
         present: Present {
             max_msg_fds: cc.present.max_msg_fds,
             max_data_xfer_size: cc.present.max_data_xfer_size,
@@ -495,34 +500,51 @@ pub fn negotiate(
         minor: MINOR,
         caps: caps.clone(),
     };
-    // Shorten the reply until it fits the client's buffer; twin_socket goes last since
-    // dropping it changes the outcome (it is then disabled). `migration` goes first: it
-    // only informs (the migration features are probed with DEVICE_FEATURE either way).
-    let droppers: [fn(&mut Present); 6] = [
-        |p| p.migration = false,
-        |p| p.write_multiple = false,
-        |p| p.pgsizes = false,
-        |p| p.max_dma_maps = false,
-        |p| p.max_msg_fds = false,
-        |p| p.max_data_xfer_size = false,
+    // Shorten the reply until it fits the client's buffer (QEMU's is the request's size;
+    // the spec has no such rule). First the keys whose absence the client reads as the
+    // same value (spec defaults: nothing is lost), then the keys whose absence only makes
+    // the client do less (no REGION_WRITE_MULTI; one fd per message). Never dropped:
+    // `migration` (the client would conclude the device cannot migrate), a max_dma_maps or
+    // max_data_xfer_size below the default (the client would exceed them) and twin_socket
+    // (dropping it changes the outcome). A reply that still does not fit goes out whole
+    // (`reply_longer_than_request`): QEMU always proposes every key it knows with values
+    // at least as long as umdev's answers, so it never gets one.
+    /// (may this key be dropped, drop it).
+    type Dropper = (fn(&Capabilities) -> bool, fn(&mut Present));
+    let droppers: [Dropper; 6] = [
+        (|c| c.pgsizes == DEFAULT_PGSIZES, |p| p.pgsizes = false),
+        (
+            |c| c.max_dma_maps == DEFAULT_MAX_DMA_MAPS,
+            |p| p.max_dma_maps = false,
+        ),
+        (
+            |c| c.max_data_xfer_size == DEFAULT_MAX_DATA_XFER_SIZE,
+            |p| p.max_data_xfer_size = false,
+        ),
+        (
+            |c| c.max_msg_fds == DEFAULT_MAX_MSG_FDS,
+            |p| p.max_msg_fds = false,
+        ),
+        (|_| true, |p| p.write_multiple = false),
+        (|_| true, |p| p.max_msg_fds = false),
     ];
-    let mut i = 0;
-    while super::header::HEADER_SIZE + reply.encode_payload().len() > request_size
-        && i < droppers.len()
-    {
-        droppers[i](&mut caps.present);
-        reply.caps = caps.clone();
-        i += 1;
+    let fits = |r: &Version| super::header::HEADER_SIZE + r.encode_payload().len() <= request_size;
+    for (may_drop, drop) in droppers {
+        if fits(&reply) {
+            break;
+        }
+        if may_drop(&caps) {
+            drop(&mut caps.present);
+            reply.caps = caps.clone();
+        }
     }
-    // Values whose key was dropped fall back to the spec default on the client side.
-    let max_data_xfer_size = if reply.caps.present.max_data_xfer_size {
-        xfer
-    } else {
-        xfer.min(DEFAULT_MAX_DATA_XFER_SIZE)
-    };
+    let reply_longer_than_request = !fits(&reply);
+    // A dropped max_data_xfer_size had the default value, which the client now assumes.
+    let max_data_xfer_size = xfer;
     let write_multiple = reply.caps.present.write_multiple && write_multiple;
     Ok(Negotiated {
         reply,
+        reply_longer_than_request,
         client_max_msg_fds: cc.max_msg_fds,
         max_data_xfer_size,
         max_dma_maps: maps,
@@ -829,12 +851,13 @@ mod tests {
     fn test_negotiate_reply_over_request_size_drops_keys_in_documented_order() {
         let req = payload(0, 0, QEMU_CAPS);
         let v = Version::decode(&req).unwrap();
+        // Spec defaults first (lossless), then what only makes the client do less.
         let order = [
-            "write_multiple",
             "pgsizes",
             "max_dma_maps",
-            "max_msg_fds",
             "max_data_xfer_size",
+            "write_multiple",
+            "max_msg_fds",
         ];
         let empty = 16 + payload(0, 0, "{\"capabilities\":{}}").len();
         for size in empty..=16 + req.len() {
@@ -847,8 +870,9 @@ mod tests {
             for k in &order[dropped..] {
                 assert!(json.contains(k), "size {size}: {k} missing in {json}");
             }
-            assert_eq!(n.write_multiple, dropped == 0, "size {size}");
-            let xfer_kept = dropped < order.len();
+            assert!(!n.reply_longer_than_request, "size {size}");
+            assert_eq!(n.write_multiple, dropped <= 3, "size {size}");
+            let xfer_kept = dropped < 3;
             assert_eq!(n.max_data_xfer_size, 1 << 20, "size {size}");
             assert_eq!(
                 Version::decode(&reply)
@@ -860,8 +884,8 @@ mod tests {
             );
         }
         let tight = negotiate(&v, &offer(), 142).unwrap();
-        assert!(!tight.reply.caps_json().contains("write_multiple"));
-        assert!(tight.reply.caps_json().contains("pgsizes"));
+        assert!(tight.reply.caps_json().contains("write_multiple"));
+        assert!(!tight.reply.caps_json().contains("pgsizes"));
     }
 
     fn arb_caps() -> impl Strategy<Value = Capabilities> {
@@ -965,9 +989,46 @@ mod tests {
         let v = Version::decode(&req).unwrap();
         let n = negotiate(&v, &offer(), 16 + req.len()).unwrap();
         assert!(!n.reply.caps_json().contains("migration"));
-        // A reply that must shrink drops `migration` first.
+        // A reply that must shrink keeps `migration`: the spec defaults go first.
         let n = negotiate(&v, &migrating, 16 + req.len() - 60).unwrap();
-        assert!(!n.reply.caps_json().contains("migration"));
+        assert!(n.reply.caps_json().contains("migration"));
+        assert!(16 + n.reply.encode_payload().len() <= 16 + req.len() - 60);
+    }
+
+    #[test]
+    fn test_negotiate_short_request_offering_migration_keeps_migration_in_reply() {
+        // A client that offers migration in a request shorter than the reply would be.
+        let req = payload(0, 0, "{\"capabilities\":{\"migration\":{}}}");
+        let v = Version::decode(&req).unwrap();
+        let migrating = ServerOffer {
+            migration: true,
+            ..offer()
+        };
+        let n = negotiate(&v, &migrating, 16 + req.len()).unwrap();
+        let back = Version::decode(&n.reply.encode_payload()).unwrap();
+        assert!(back.caps.migration, "{}", n.reply.caps_json());
+        assert_eq!(back.caps.migration_pgsize, Some(4096));
+        assert!(n.reply_longer_than_request, "reported to the caller");
+    }
+
+    #[test]
+    fn test_negotiate_non_default_limits_never_dropped() {
+        // max_dma_maps and max_data_xfer_size below the defaults: the client would exceed
+        // them if they were dropped, so the reply keeps them even when it is too long.
+        let json = "{\"capabilities\":{\"max_data_xfer_size\":1024,\"max_dma_maps\":8,\"write_multiple\":true}}";
+        let req = payload(0, 0, json);
+        let v = Version::decode(&req).unwrap();
+        let n = negotiate(&v, &offer(), 30).unwrap();
+        let back = Version::decode(&n.reply.encode_payload()).unwrap();
+        assert_eq!(back.caps.max_data_xfer_size, 1024);
+        assert_eq!(back.caps.max_dma_maps, 8);
+        assert!(
+            !back.caps.present.write_multiple,
+            "dropped: the client only does less"
+        );
+        assert!(!n.write_multiple);
+        assert_eq!(n.max_data_xfer_size, 1024);
+        assert!(n.reply_longer_than_request);
     }
 
     #[test]

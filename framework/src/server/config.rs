@@ -54,6 +54,12 @@ pub struct ServerConfig {
     /// QEMU's layout for a client that proposes `migration.max_bitmap_size` (only QEMU
     /// does), the spec's otherwise.
     pub dma_rw_layout: Option<DmaRwLayout>,
+    /// Accept fd-backed DMA_MAPs of any mmappable file. Default `false`: only memfd,
+    /// shmem/tmpfs and hugetlbfs files, whose page faults no client can stall (a FUSE file
+    /// whose READ is never answered would stop the device thread copying through it, and a
+    /// thread shared with other instances with it); others get EPERM. Set it only for
+    /// trusted clients, e.g. QEMU with `memory-backend-file` on a disk filesystem.
+    pub allow_any_file_maps: bool,
 }
 
 impl ServerConfig {
@@ -73,6 +79,7 @@ impl ServerConfig {
             send_timeout: Duration::from_secs(10),
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
+            allow_any_file_maps: false,
         }
     }
 

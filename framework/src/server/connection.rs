@@ -242,7 +242,17 @@ impl Connection {
         let mut offer = self.config.offer();
         offer.migration = self.migration.is_some();
         let n = negotiate(&v, &offer, hdr.msg_size as usize)?;
+        if n.reply_longer_than_request {
+            warn!(
+                request_size = hdr.msg_size,
+                "VERSION reply is longer than the request even without the keys that may be \
+                 dropped; sent whole (a client whose reply buffer is its request's size refuses it)"
+            );
+        }
         self.limits.write_multiple = n.write_multiple;
+        // The negotiated size bounds both directions: REGION_READ/WRITE counts, MIG_DATA
+        // sizes and DMA logging bitmaps from the client, DMA_READ/WRITE pieces to it.
+        self.limits.max_data_xfer_size = n.max_data_xfer_size;
         self.chan.set_max_xfer(n.max_data_xfer_size);
         let payload = n.reply.encode_payload();
         let mut reply = Reply::from_payload(&payload);
@@ -286,6 +296,8 @@ impl Connection {
         self.dma
             .set_remote(Some(Arc::new(ClientDma::new(self.chan.clone(), layout))));
         self.dma.set_max_dma_maps(n.max_dma_maps);
+        self.dma
+            .set_allow_any_file_maps(self.config.allow_any_file_maps);
         self.negotiated = true;
         if let Err(e) = self.chan.set_read_timeout(None) {
             warn!(error = %e, "cannot lift the negotiation timeout");

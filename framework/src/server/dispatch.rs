@@ -171,9 +171,17 @@ impl Connection {
         };
         let mut fd = None;
         if let Some(m) = &region.mmap {
-            flags |= REGION_FLAG_MMAP;
             info.offset = m.file_offset;
-            for &(off, size) in &m.areas {
+            // No areas named: the whole region (what MMAP without the capability means in
+            // VFIO), sent as one area like libvfio-user's server does, so the fd always
+            // travels with a capability and never with the short reply.
+            let whole = [(0, region.size)];
+            let areas = if m.areas.is_empty() {
+                &whole[..]
+            } else {
+                &m.areas
+            };
+            for &(off, size) in areas {
                 let inside = off
                     .checked_add(size)
                     .is_some_and(|end| size > 0 && end <= region.size);
@@ -186,11 +194,19 @@ impl Connection {
                     );
                 }
             }
-            fd = Some(m.fd.clone());
+            if info.sparse_areas.is_empty() {
+                warn!(
+                    region = r.index,
+                    "no valid sparse mmap area; region offered without MMAP"
+                );
+            } else {
+                flags |= REGION_FLAG_MMAP;
+                fd = Some(m.fd.clone());
+            }
         }
         info.flags = flags;
         let mut reply = Reply::from_payload(&info.encode(r.argsz));
-        if let Some(fd) = fd {
+        if let Some(fd) = fd.filter(|_| info.fd_goes_with(r.argsz)) {
             reply.attach(fd);
         }
         Ok(reply)

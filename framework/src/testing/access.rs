@@ -144,7 +144,8 @@ pub trait DeviceAccess {
     }
 
     /// Enable MSI with one vector (message address and data programmed, as a guest does)
-    /// and return the eventfd its vector 0 signals.
+    /// and return the eventfd its vector 0 signals. Messages are sent only while Bus
+    /// Master is set ([`DeviceAccess::enable_device`]), as on PCI.
     fn enable_msi(&mut self) -> io::Result<EventFd> {
         let cap = self
             .find_capability(PCI_CAP_ID_MSI)?
@@ -158,7 +159,8 @@ pub trait DeviceAccess {
     }
 
     /// Enable MSI-X (function not masked), program and unmask table entry 0 in the BAR the
-    /// capability names, and return the eventfd vector 0 signals.
+    /// capability names, and return the eventfd vector 0 signals. Messages are sent only
+    /// while Bus Master is set ([`DeviceAccess::enable_device`]), as on PCI.
     fn enable_msix(&mut self) -> io::Result<EventFd> {
         let cap = self
             .find_capability(PCI_CAP_ID_MSIX)?

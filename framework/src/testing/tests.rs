@@ -458,3 +458,111 @@ fn test_test_server_device_panic_is_reported_with_the_test_name() {
     let mut vmm = server.connect().unwrap();
     assert_eq!(vmm.read32(0, 0).unwrap(), 0);
 }
+
+/// The MSI-X table and PBA of the device as (bar, table offset, pba offset), read from the
+/// capability as a guest driver does.
+fn msix_layout(vmm: &mut Vmm) -> (u32, u64, u32, u64) {
+    let cap = vmm.find_capability(PCI_CAP_ID_MSIX).unwrap().unwrap();
+    let table = vmm.read32(region_index::CONFIG, cap + 4).unwrap();
+    let pba = vmm.read32(region_index::CONFIG, cap + 8).unwrap();
+    (
+        table & 7,
+        u64::from(table & !7),
+        pba & 7,
+        u64::from(pba & !7),
+    )
+}
+
+const QUIET: Duration = Duration::from_millis(50);
+
+#[test]
+fn test_msi_bus_master_clear_trigger_dropped_set_again_delivers() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    vmm.enable_device().unwrap();
+    let msi = vmm.enable_msi().unwrap();
+    vmm.set_command(PCI_COMMAND_MEMORY).unwrap();
+    trigger(&server);
+    assert_eq!(wait_eventfd(&msi, QUIET), None, "no MSI while BME is clear");
+    vmm.enable_device().unwrap();
+    assert_eq!(
+        wait_eventfd(&msi, QUIET),
+        None,
+        "dropped, not held until BME is set"
+    );
+    trigger(&server);
+    assert_eq!(wait_eventfd(&msi, WAIT), Some(1));
+}
+
+#[test]
+fn test_msix_bus_master_clear_unmasked_trigger_dropped_no_pending_bit() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    vmm.enable_device().unwrap();
+    let msix = vmm.enable_msix().unwrap();
+    let (_, _, pba_bar, pba) = msix_layout(&mut vmm);
+    vmm.set_command(PCI_COMMAND_MEMORY).unwrap();
+    trigger(&server);
+    assert_eq!(
+        wait_eventfd(&msix, QUIET),
+        None,
+        "no MSI-X while BME is clear"
+    );
+    assert_eq!(
+        vmm.read64(pba_bar, pba).unwrap(),
+        0,
+        "an unmasked vector does not pend"
+    );
+    vmm.enable_device().unwrap();
+    assert_eq!(wait_eventfd(&msix, QUIET), None);
+    trigger(&server);
+    assert_eq!(wait_eventfd(&msix, WAIT), Some(1));
+}
+
+#[test]
+fn test_msix_masked_vector_pends_while_bus_master_clear_sent_once_when_set() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    vmm.enable_device().unwrap();
+    let msix = vmm.enable_msix().unwrap();
+    let (bar, table, pba_bar, pba) = msix_layout(&mut vmm);
+    vmm.write32(bar, table + 12, 1).unwrap(); // mask vector 0
+    vmm.set_command(PCI_COMMAND_MEMORY).unwrap();
+    trigger(&server);
+    assert_eq!(
+        vmm.read64(pba_bar, pba).unwrap(),
+        1,
+        "masked: the PBA bit is set"
+    );
+    vmm.write32(bar, table + 12, 0).unwrap(); // unmask with BME still clear
+    assert_eq!(
+        wait_eventfd(&msix, QUIET),
+        None,
+        "not sent while BME is clear"
+    );
+    assert_eq!(
+        vmm.read64(pba_bar, pba).unwrap(),
+        1,
+        "the pending bit stays until the message is sent"
+    );
+    vmm.enable_device().unwrap();
+    assert_eq!(wait_eventfd(&msix, WAIT), Some(1), "sent when BME is set");
+    assert_eq!(vmm.read64(pba_bar, pba).unwrap(), 0);
+    assert_eq!(wait_eventfd(&msix, QUIET), None, "exactly once");
+}
+
+#[test]
+fn test_intx_bus_master_clear_still_delivered() {
+    let server = pci_server();
+    let mut vmm = server.connect().unwrap();
+    vmm.enable_device().unwrap();
+    let intx = vmm.enable_intx().unwrap();
+    let cmd = vmm.command().unwrap();
+    vmm.set_command(cmd & !PCI_COMMAND_MASTER).unwrap();
+    trigger(&server);
+    assert_eq!(
+        wait_eventfd(&intx, WAIT),
+        Some(1),
+        "INTx is not bus mastering"
+    );
+}
