@@ -39,7 +39,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
-use umdev::server::listener::SocketListener;
+use umdev::server::listener::{AcceptBackoff, SocketListener};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::protocol::{self, ControlError, DecodeError, ErrorKind, FrameError, Response};
@@ -155,45 +155,6 @@ impl Write for Timed<'_> {
     }
 }
 
-/// How the accept loop waits after a failed accept, and when it says so (see the module
-/// doc).
-#[derive(Debug, Default)]
-struct AcceptBackoff {
-    delay: Duration,
-    failures: u64,
-    last_log: Option<Instant>,
-}
-
-impl AcceptBackoff {
-    const FIRST: Duration = Duration::from_millis(10);
-    const MAX: Duration = Duration::from_secs(1);
-    const LOG_EVERY: Duration = Duration::from_secs(10);
-
-    /// An accept failed at `now`: how long to wait, and the failures to log (since the last
-    /// line) if a line is due.
-    fn failed(&mut self, now: Instant) -> (Duration, Option<u64>) {
-        self.delay = if self.delay.is_zero() {
-            Self::FIRST
-        } else {
-            (self.delay * 2).min(Self::MAX)
-        };
-        self.failures += 1;
-        let due = self
-            .last_log
-            .is_none_or(|t| now.duration_since(t) >= Self::LOG_EVERY);
-        if !due {
-            return (self.delay, None);
-        }
-        self.last_log = Some(now);
-        (self.delay, Some(std::mem::take(&mut self.failures)))
-    }
-
-    /// An accept succeeded: the next failure waits briefly again.
-    fn succeeded(&mut self) {
-        self.delay = Duration::ZERO;
-    }
-}
-
 /// Counts a connection in hand while it lives.
 struct InFlight(Arc<AtomicUsize>);
 
@@ -300,18 +261,19 @@ fn accept_loop(
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
-                // EMFILE and the like: the listener stays readable; do not spin on it.
-                let (delay, log) = backoff.failed(Instant::now());
-                if let Some(failures) = log {
+                // EMFILE and the like: the listener stays readable; do not spin on it
+                // (the same backoff and log rate as the device servers' accept loop).
+                let retry = backoff.failed(&e, Instant::now());
+                if let Some(failures) = retry.log {
                     warn!(
                         error = %e,
                         failures,
-                        retry_ms = delay.as_millis() as u64,
+                        retry_ms = retry.wait.as_millis() as u64,
                         "control socket: accept failed (logged at most every 10 s)"
                     );
                 }
-                let ms = i32::try_from(delay.as_millis()).unwrap_or(i32::MAX);
-                if matches!(wait(-1, wake.as_raw_fd(), ms), Ok(true)) {
+                let ms = i32::try_from(retry.wait.as_millis()).unwrap_or(i32::MAX);
+                if !retry.wait.is_zero() && matches!(wait(-1, wake.as_raw_fd(), ms), Ok(true)) {
                     break;
                 }
                 continue;
@@ -505,38 +467,6 @@ fn serve_one(stream: &UnixStream, shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn test_accept_backoff_failures_wait_longer_and_log_rarely() {
-        let mut b = AcceptBackoff::default();
-        let t0 = Instant::now();
-        let (d, log) = b.failed(t0);
-        assert_eq!((d, log), (AcceptBackoff::FIRST, Some(1)));
-        let mut logged = 0;
-        let mut now = t0;
-        // Failing for 9 s more: waits grow to the cap, no second line yet.
-        for _ in 0..30 {
-            let (d, log) = b.failed(now);
-            assert!(d <= AcceptBackoff::MAX);
-            logged += u64::from(log.is_some());
-            now += d;
-            if now.duration_since(t0) >= Duration::from_secs(9) {
-                break;
-            }
-        }
-        assert_eq!(logged, 0);
-        assert_eq!(b.delay, AcceptBackoff::MAX);
-        let (_, log) = b.failed(t0 + Duration::from_secs(10));
-        assert!(
-            log.unwrap() > 1,
-            "the failures since the last line: {log:?}"
-        );
-        b.succeeded();
-        assert_eq!(
-            b.failed(t0 + Duration::from_secs(11)).0,
-            AcceptBackoff::FIRST
-        );
-    }
 
     #[test]
     fn test_timed_write_to_peer_not_reading_cut_off_at_deadline() {
