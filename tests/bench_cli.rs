@@ -542,3 +542,68 @@ fn test_bench_instances_bad_count_or_type_fails_with_message() {
         );
     }
 }
+
+#[test]
+fn test_bench_isolation_tiny_json_has_every_attack_with_victim_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("isolation.json");
+    let out = umdev_ok(&[
+        "bench",
+        "isolation",
+        "--quiet",
+        "--seconds",
+        "0.3",
+        "--maps",
+        "64",
+        "--fd-messages",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("targets (issue 17)"), "{stdout}");
+    let v = read_json(&json);
+    assert_eq!(v["schema"], "umdev-bench-isolation/1");
+    let attacks = v["attacks"].as_array().expect("attacks");
+    let names: Vec<&str> = attacks
+        .iter()
+        .map(|a| a["attack"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["idle", "map-flood", "fd-flood", "disk-file"]);
+    for a in attacks {
+        let what = a["attack"].as_str().unwrap();
+        assert_eq!(a["survived"], true, "{what}: {}", a["process"]);
+        let child = &a["child"];
+        assert!(child["error"].is_null(), "{what}: {}", child["error"]);
+        assert!(child["outcome"]["summary"].is_string(), "{what}");
+        let victims = a["victims"].as_array().expect("victims");
+        assert_eq!(victims.len(), 7, "{what}: seven victims");
+        for (i, ops) in victims.iter().enumerate() {
+            let ops = ops.as_array().unwrap();
+            let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+            assert_eq!(names, ["region", "map", "fence"], "{what} #{i}");
+            for o in ops {
+                let n = o["n"].as_array().unwrap();
+                assert!(
+                    n.iter().all(|x| x.as_u64().is_some_and(|k| k > 0)),
+                    "{what} victim #{i} {}: no samples in a block: {n:?}",
+                    o["op"]
+                );
+                assert!(
+                    o["ratio"].as_f64().is_some_and(f64::is_finite),
+                    "{what} {o}"
+                );
+            }
+        }
+    }
+    let m = &attacks[1]["child"]["outcome"];
+    assert_eq!(m["accepted"].as_u64(), Some(64), "map flood: {m}");
+    let f = &attacks[2]["child"]["outcome"];
+    assert_eq!(f["accepted"].as_u64(), Some(8), "fd flood: {f}");
+    let targets = v["targets"].as_array().expect("targets");
+    // Per attack: survival, p99 ratio, errors; the disk file's refusal once.
+    assert_eq!(targets.len(), 4 * 3 + 1, "{targets:?}");
+    assert!(targets
+        .iter()
+        .all(|t| matches!(t["verdict"].as_str(), Some("pass" | "MISS"))));
+}
