@@ -130,6 +130,9 @@ pub struct FairPlan {
     /// once; more: every set runs once so and once more beside this many spinning threads
     /// at the process's priority, [`BusyLoad`]).
     pub busy_threads: usize,
+    /// The time slice the instances' fetcher threads ask for, µs (0: none;
+    /// [`RenderEngine::set_fetcher_slice`](umdev_devices::gpu::engine::RenderEngine)).
+    pub fetcher_slice_us: u64,
 }
 
 /// Background load for a busy-host run: `n` threads of this process that spin at its
@@ -604,6 +607,10 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan, busy: usize) -> Result<FairnessS
     .map_err(|e| BenchError::Workload(Box::new(e)))?;
     let registry = Registry::new(RegistryConfig::new(dir.path().join("sockets")))?;
     registry.add_parent(Arc::new(parent.clone()))?;
+    // Before any instance attaches: fetchers take their slice when they start.
+    parent.engine().set_fetcher_slice(
+        Some(Duration::from_micros(plan.fetcher_slice_us)).filter(|d| !d.is_zero()),
+    );
     let weight_of = |t: &str| {
         parent
             .config()

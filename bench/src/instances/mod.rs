@@ -103,6 +103,10 @@ pub struct InstancesArgs {
     /// (e.g. one per core); 0: no busy-host runs.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub busy_threads: usize,
+    /// The time slice the GPU instances' fetcher threads ask for, µs; 0: none (the
+    /// kernel's default) [default: the engine's, 100].
+    #[arg(long, value_name = "US")]
+    pub fetcher_slice_us: Option<u64>,
     /// Output options.
     #[command(flatten)]
     pub out: OutputArgs,
@@ -139,6 +143,9 @@ impl InstancesArgs {
                 .engine_nice
                 .map_or(GpuParentConfig::default().engine_nice, EngineNice::nice),
             busy_threads: self.busy_threads,
+            fetcher_slice_us: self
+                .fetcher_slice_us
+                .unwrap_or(umdev_devices::gpu::engine::DEFAULT_FETCHER_SLICE.as_micros() as u64),
         }
     }
 
@@ -690,7 +697,7 @@ pub fn render(r: &InstancesReport) -> String {
         let weights: Vec<String> = s.flooders.iter().map(|f| f.weight.to_string()).collect();
         out.push_str(&format!(
             "\nfairness, {} set{}: {} flooders (weights {}), {:.2} s loaded, {} engine units \
-             ({:.0}/s), engine thread at nice {}\n",
+             ({:.0}/s), engine thread at nice {}, fetcher slice {} µs\n",
             s.name,
             busy_label(s.busy_threads),
             s.flooders.len(),
@@ -698,7 +705,8 @@ pub fn render(r: &InstancesReport) -> String {
             s.window_s,
             s.engine_units,
             s.engine_units as f64 / s.window_s,
-            s.engine_thread_nice
+            s.engine_thread_nice,
+            r.config.fairness.fetcher_slice_us
         ));
         let mut t = Table::new(&[
             "flooder",
