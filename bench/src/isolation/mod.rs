@@ -559,6 +559,14 @@ fn f1(v: f64) -> String {
     }
 }
 
+fn times(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{v:.2}×")
+    }
+}
+
 /// The terminal report.
 pub fn render(r: &IsolationReport) -> String {
     let mut out = format!(
@@ -628,8 +636,8 @@ pub fn render(r: &IsolationReport) -> String {
                 format!("{nb}+{na}"),
                 f1(quantile(&col(&|o| o.baseline_p99_us), 0.5)),
                 f1(quantile(&col(&|o| o.attack_p99_us), 0.5)),
-                format!("{:.2}×", quantile(&ratios, 0.5)),
-                format!("{worst:.2}×"),
+                times(quantile(&ratios, 0.5)),
+                times(worst),
                 eb.to_string(),
                 ea.to_string(),
             ]);
