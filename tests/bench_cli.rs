@@ -607,3 +607,64 @@ fn test_bench_isolation_tiny_json_has_every_attack_with_victim_samples() {
         .iter()
         .all(|t| matches!(t["verdict"].as_str(), Some("pass" | "MISS"))));
 }
+
+#[test]
+fn test_bench_instances_busy_threads_runs_every_set_again_and_judges_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("busy.json");
+    umdev_ok(&[
+        "bench",
+        "instances",
+        "--only",
+        "fairness",
+        "--quick",
+        "--quiet",
+        "--busy-threads",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let v = read_json(&json);
+    let sets = v["fairness"].as_array().expect("fairness");
+    let runs: Vec<(String, u64)> = sets
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_owned(),
+                s["busy_threads"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want = [("equal", 0), ("equal", 1), ("mixed", 0), ("mixed", 1)];
+    assert_eq!(
+        runs,
+        want.map(|(n, b)| (n.to_owned(), b)),
+        "each set on the machine as it is, then beside the busy threads"
+    );
+    for s in sets {
+        let sched = s["sched"].as_array().expect("sched rows");
+        let engine = sched.iter().find(|g| g["group"] == "engine").unwrap();
+        assert!(
+            engine["loaded_cpus"].as_f64().is_some_and(|c| c > 0.0),
+            "the engine ran in the loaded blocks: {engine}"
+        );
+        let busy = sched.iter().find(|g| g["group"] == "busy threads").unwrap();
+        let spun = busy["loaded_cpus"].as_f64().unwrap_or(0.0) > 0.0;
+        assert_eq!(spun, s["busy_threads"] == 1, "{}: {busy}", s["name"]);
+    }
+    assert_eq!(v["config"]["fairness"]["fetcher_slice_us"], 100);
+    let targets = v["targets"].as_array().unwrap();
+    let busy_rows = targets
+        .iter()
+        .filter(|t| {
+            t["target"]
+                .as_str()
+                .unwrap()
+                .contains("busy host (1 spinning")
+        })
+        .count();
+    assert_eq!(
+        busy_rows, 4,
+        "share, Jain, FENCE median and p90 for the busy host"
+    );
+}
