@@ -542,3 +542,129 @@ fn test_bench_instances_bad_count_or_type_fails_with_message() {
         );
     }
 }
+
+#[test]
+fn test_bench_isolation_tiny_json_has_every_attack_with_victim_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("isolation.json");
+    let out = umdev_ok(&[
+        "bench",
+        "isolation",
+        "--quiet",
+        "--seconds",
+        "0.3",
+        "--maps",
+        "64",
+        "--fd-messages",
+        "8",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("targets (issue 17)"), "{stdout}");
+    let v = read_json(&json);
+    assert_eq!(v["schema"], "umdev-bench-isolation/1");
+    let attacks = v["attacks"].as_array().expect("attacks");
+    let names: Vec<&str> = attacks
+        .iter()
+        .map(|a| a["attack"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["idle", "map-flood", "fd-flood", "disk-file"]);
+    for a in attacks {
+        let what = a["attack"].as_str().unwrap();
+        assert_eq!(a["survived"], true, "{what}: {}", a["process"]);
+        let child = &a["child"];
+        assert!(child["error"].is_null(), "{what}: {}", child["error"]);
+        assert!(child["outcome"]["summary"].is_string(), "{what}");
+        let victims = a["victims"].as_array().expect("victims");
+        assert_eq!(victims.len(), 7, "{what}: seven victims");
+        for (i, ops) in victims.iter().enumerate() {
+            let ops = ops.as_array().unwrap();
+            let names: Vec<&str> = ops.iter().map(|o| o["op"].as_str().unwrap()).collect();
+            assert_eq!(names, ["region", "map", "fence"], "{what} #{i}");
+            for o in ops {
+                let n = o["n"].as_array().unwrap();
+                assert!(
+                    n.iter().all(|x| x.as_u64().is_some_and(|k| k > 0)),
+                    "{what} victim #{i} {}: no samples in a block: {n:?}",
+                    o["op"]
+                );
+                assert!(
+                    o["ratio"].as_f64().is_some_and(f64::is_finite),
+                    "{what} {o}"
+                );
+            }
+        }
+    }
+    let m = &attacks[1]["child"]["outcome"];
+    assert_eq!(m["accepted"].as_u64(), Some(64), "map flood: {m}");
+    let f = &attacks[2]["child"]["outcome"];
+    assert_eq!(f["accepted"].as_u64(), Some(8), "fd flood: {f}");
+    let targets = v["targets"].as_array().expect("targets");
+    // Per attack: survival, p99 ratio, errors; the disk file's refusal once.
+    assert_eq!(targets.len(), 4 * 3 + 1, "{targets:?}");
+    assert!(targets
+        .iter()
+        .all(|t| matches!(t["verdict"].as_str(), Some("pass" | "MISS"))));
+}
+
+#[test]
+fn test_bench_instances_busy_threads_runs_every_set_again_and_judges_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("busy.json");
+    umdev_ok(&[
+        "bench",
+        "instances",
+        "--only",
+        "fairness",
+        "--quick",
+        "--quiet",
+        "--busy-threads",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let v = read_json(&json);
+    let sets = v["fairness"].as_array().expect("fairness");
+    let runs: Vec<(String, u64)> = sets
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_owned(),
+                s["busy_threads"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want = [("equal", 0), ("equal", 1), ("mixed", 0), ("mixed", 1)];
+    assert_eq!(
+        runs,
+        want.map(|(n, b)| (n.to_owned(), b)),
+        "each set on the machine as it is, then beside the busy threads"
+    );
+    for s in sets {
+        let sched = s["sched"].as_array().expect("sched rows");
+        let engine = sched.iter().find(|g| g["group"] == "engine").unwrap();
+        assert!(
+            engine["loaded_cpus"].as_f64().is_some_and(|c| c > 0.0),
+            "the engine ran in the loaded blocks: {engine}"
+        );
+        let busy = sched.iter().find(|g| g["group"] == "busy threads").unwrap();
+        let spun = busy["loaded_cpus"].as_f64().unwrap_or(0.0) > 0.0;
+        assert_eq!(spun, s["busy_threads"] == 1, "{}: {busy}", s["name"]);
+    }
+    assert_eq!(v["config"]["fairness"]["fetcher_slice_us"], 100);
+    let targets = v["targets"].as_array().unwrap();
+    let busy_rows = targets
+        .iter()
+        .filter(|t| {
+            t["target"]
+                .as_str()
+                .unwrap()
+                .contains("busy host (1 spinning")
+        })
+        .count();
+    assert_eq!(
+        busy_rows, 4,
+        "share, Jain, FENCE median and p90 for the busy host"
+    );
+}

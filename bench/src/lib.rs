@@ -11,6 +11,8 @@
 //! - [`record`] (`umdev bench record`): record the pin arrays an example device issues.
 //! - [`instances`] (`umdev bench instances`): many instances in one registry (create,
 //!   idle cost, all serving at once) and the shared GPU engine's fairness.
+//! - [`isolation`] (`umdev bench isolation`): one hostile client per attack against seven
+//!   victim instances in one process: their p99 latencies under attack against without.
 //!
 //! Shared pieces: array [`patterns`], recorded pin [`trace`]s, page [`backing`] and
 //! [`local_mapping`]s of it, the interleaved [`sampler`], [`stats`], the terminal/JSON
@@ -25,6 +27,7 @@
 pub mod backing;
 pub mod dma;
 pub mod instances;
+pub mod isolation;
 pub mod local_mapping;
 pub mod machine;
 pub mod patterns;
@@ -140,6 +143,8 @@ pub enum BenchCommand {
     Record(Box<record::RecordArgs>),
     /// Many instances in one registry: create, idle cost, all serving; GPU engine fairness.
     Instances(Box<instances::InstancesArgs>),
+    /// One hostile client against seven victim GPU instances in one process, per attack.
+    Isolation(Box<isolation::IsolationArgs>),
 }
 
 /// Run `umdev bench`: the chosen benchmark, its table on stdout, progress on stderr.
@@ -150,6 +155,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Wire(a) => wire::run(*a),
         BenchCommand::Record(a) => record::run(*a),
         BenchCommand::Instances(a) => instances::run(*a),
+        BenchCommand::Isolation(a) => isolation::run(*a),
     }
 }
 

@@ -39,6 +39,13 @@ fn quantile_sorted(v: &[f64], q: f64) -> f64 {
     }
 }
 
+/// The `q`-quantile (0..=1) of `samples` (NaN-free, any order); NaN for none.
+pub fn quantile(samples: &[f64], q: f64) -> f64 {
+    let mut v: Vec<f64> = samples.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    quantile_sorted(&v, q)
+}
+
 /// Summarize `samples` (NaN-free); an empty input gives NaNs and `n == 0`.
 pub fn summarize(samples: &[f64]) -> Summary {
     let mut v: Vec<f64> = samples.to_vec();

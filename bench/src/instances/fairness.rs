@@ -45,6 +45,7 @@ use umdev_devices::gpu::{EngineStats, GpuHandle, GpuParent, GpuParentConfig};
 use umdev_devices::testing::Bar0;
 
 use super::clients::{ClientError, FenceProber, RAM_BASE};
+use super::schedstat::{self, Counters};
 use crate::rng::SeededRng;
 use crate::stats::{summarize, Summary};
 use crate::BenchError;
@@ -125,6 +126,58 @@ pub struct FairPlan {
     /// The nice value the fairness parent's engine thread is built with
     /// ([`GpuParentConfig::engine_nice`]; `None`: the process's).
     pub engine_nice: Option<i32>,
+    /// Busy threads of the busy-host runs (0: every set runs on the machine as it is,
+    /// once; more: every set runs once so and once more beside this many spinning threads
+    /// at the process's priority, [`BusyLoad`]).
+    pub busy_threads: usize,
+    /// The time slice the instances' fetcher threads ask for, µs (0: none;
+    /// [`RenderEngine::set_fetcher_slice`](umdev_devices::gpu::engine::RenderEngine)).
+    pub fetcher_slice_us: u64,
+}
+
+/// Background load for a busy-host run: `n` threads of this process that spin at its
+/// priority (nice value and policy inherited) until dropped, the stand-in for a host
+/// whose CPUs run guests. They share nothing with the engine but the CPUs.
+pub struct BusyLoad {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl BusyLoad {
+    /// Start `n` spinning threads.
+    pub fn start(n: usize) -> std::io::Result<BusyLoad> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut load = BusyLoad {
+            stop: stop.clone(),
+            threads: Vec::new(),
+        };
+        for _ in 0..n {
+            let stop = stop.clone();
+            load.threads
+                .push(
+                    std::thread::Builder::new()
+                        .name("busy".into())
+                        .spawn(move || {
+                            let mut x = 0u64;
+                            while !stop.load(Ordering::Relaxed) {
+                                for _ in 0..10_000 {
+                                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                                }
+                            }
+                        })?,
+                );
+        }
+        Ok(load)
+    }
+}
+
+impl Drop for BusyLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The nice value of thread `tid` of this process (field 19 of `/proc/self/task/<tid>/stat`).
@@ -192,6 +245,80 @@ pub struct FenceResult {
     pub max_wakeup_delay_units: u64,
 }
 
+/// The threads whose CPU waits a set reports, by role.
+pub const THREAD_GROUPS: [&str; 7] = [
+    "engine",
+    "prober's fetcher",
+    "prober's connection",
+    "prober (bench thread)",
+    "flooders' fetchers",
+    "flooder clients",
+    "busy threads",
+];
+
+/// CPU use and run-queue waits of one thread group, inside the unloaded and the loaded
+/// blocks ([`schedstat`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SchedRow {
+    /// One of [`THREAD_GROUPS`].
+    pub group: &'static str,
+    /// Mean run-queue wait per time on a CPU, unloaded blocks, µs.
+    pub unloaded_wait_us: f64,
+    /// The same, loaded blocks.
+    pub loaded_wait_us: f64,
+    /// CPUs the group used inside the unloaded blocks (run time / wall time).
+    pub unloaded_cpus: f64,
+    /// The same, loaded blocks.
+    pub loaded_cpus: f64,
+}
+
+/// Which group a thread is in, given the prober's threads (`None`: not reported).
+struct Roles {
+    engine: i32,
+    fetcher: i32,
+    conn: i32,
+    bench: i32,
+}
+
+impl Roles {
+    fn group(&self, tid: i32, name: &str) -> Option<usize> {
+        Some(match name {
+            _ if tid == self.engine => 0,
+            _ if tid == self.fetcher => 1,
+            _ if tid == self.conn => 2,
+            _ if tid == self.bench => 3,
+            "umdev-gpu-fetch" => 4,
+            "flooder" => 5,
+            "busy" => 6,
+            _ => return None,
+        })
+    }
+}
+
+/// Sums per group over blocks of one kind.
+#[derive(Default)]
+struct SchedSums {
+    groups: [Counters; 7],
+    wall: Duration,
+}
+
+impl SchedSums {
+    fn add(
+        &mut self,
+        roles: &Roles,
+        a: &std::collections::BTreeMap<i32, (String, Counters)>,
+        b: &std::collections::BTreeMap<i32, (String, Counters)>,
+        wall: Duration,
+    ) {
+        for (g, sum) in self.groups.iter_mut().enumerate() {
+            sum.add(schedstat::delta(a, b, |tid, name| {
+                roles.group(tid, name) == Some(g)
+            }));
+        }
+        self.wall += wall;
+    }
+}
+
 /// The result of one set.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct FairnessSet {
@@ -211,6 +338,10 @@ pub struct FairnessSet {
     pub fence: FenceResult,
     /// The engine thread's nice value, read from `/proc` while the set ran.
     pub engine_thread_nice: i32,
+    /// Spinning threads beside the set ([`BusyLoad`]; 0: none).
+    pub busy_threads: usize,
+    /// CPU use and run-queue waits per thread group.
+    pub sched: Vec<SchedRow>,
 }
 
 /// Jain's fairness index of `x`: `(Σx)² / (n·Σx²)`, 1 when all are equal, `1/n` when one
@@ -463,8 +594,9 @@ fn fence_block(
     Ok(())
 }
 
-/// Measure one set (see the module doc).
-pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchError> {
+/// Measure one set (see the module doc), beside `busy` spinning threads that run for the
+/// whole set (0: none).
+pub fn run_set(spec: &SetSpec, plan: &FairPlan, busy: usize) -> Result<FairnessSet, BenchError> {
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-fair-")
         .tempdir()?;
@@ -475,6 +607,10 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
     .map_err(|e| BenchError::Workload(Box::new(e)))?;
     let registry = Registry::new(RegistryConfig::new(dir.path().join("sockets")))?;
     registry.add_parent(Arc::new(parent.clone()))?;
+    // Before any instance attaches: fetchers take their slice when they start.
+    parent.engine().set_fetcher_slice(
+        Some(Duration::from_micros(plan.fetcher_slice_us)).filter(|d| !d.is_zero()),
+    );
     let weight_of = |t: &str| {
         parent
             .config()
@@ -527,7 +663,27 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
         let prober_gpu = parent
             .handle(&probe.uuid)
             .ok_or_else(|| BenchError::Workload("prober has no GPU handle".into()))?;
+        // The prober's instance is the newest: its fetcher and connection threads are the
+        // newest of their names (thread ids grow).
+        let newest = |name: &str| {
+            schedstat::threads()
+                .into_iter()
+                .filter(|(_, (n, _))| n == name)
+                .map(|(tid, _)| tid)
+                .max()
+                .unwrap_or(-1)
+        };
+        let roles = Roles {
+            engine: parent.engine().thread_id().unwrap_or(-1),
+            fetcher: newest("umdev-gpu-fetch"),
+            conn: newest("umdev-conn"),
+            // SAFETY: gettid has no arguments and cannot fail.
+            bench: unsafe { libc::gettid() },
+        };
+        let (mut sched_unloaded, mut sched_loaded) = (SchedSums::default(), SchedSums::default());
 
+        // Both kinds of block see the load: it starts before the warm-up.
+        let _load = BusyLoad::start(busy)?;
         let mut rng = SeededRng::new(plan.seed);
         let mut fence = FenceResult::default();
         let (mut warm, mut warm_doorbells) = (Vec::new(), Vec::new());
@@ -553,6 +709,7 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
                             .iter()
                             .all(|f| f.applied.load(Ordering::Acquire) == PAUSE)
                     })?;
+                    let (t, a) = (Instant::now(), schedstat::threads());
                     fence_block(
                         &mut prober,
                         plan.samples_per_block,
@@ -560,6 +717,7 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
                         &mut fence.unloaded_us,
                         &mut fence.doorbell_unloaded_us,
                     )?;
+                    sched_unloaded.add(&roles, &a, &schedstat::threads(), t.elapsed());
                     continue;
                 }
                 let before: Vec<u64> = flooders
@@ -574,6 +732,7 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
                         .all(|(f, &b)| f.gpu.engine_stats().commands > b)
                 })?;
                 let a = snapshot(&flooders, &parent);
+                let threads_a = schedstat::threads();
                 fence_block(
                     &mut prober,
                     plan.samples_per_block,
@@ -582,6 +741,7 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
                     &mut fence.doorbell_loaded_us,
                 )?;
                 let b = snapshot(&flooders, &parent);
+                sched_loaded.add(&roles, &threads_a, &schedstat::threads(), b.at - a.at);
                 totals.add(&a, &b);
             }
         }
@@ -629,6 +789,20 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan) -> Result<FairnessSet, BenchErro
             engine_units: totals.units,
             fence,
             engine_thread_nice,
+            busy_threads: busy,
+            sched: THREAD_GROUPS
+                .iter()
+                .enumerate()
+                .map(|(g, &group)| SchedRow {
+                    group,
+                    unloaded_wait_us: sched_unloaded.groups[g].wait_per_run_us(),
+                    loaded_wait_us: sched_loaded.groups[g].wait_per_run_us(),
+                    unloaded_cpus: sched_unloaded.groups[g].run_ns as f64
+                        / sched_unloaded.wall.as_nanos().max(1) as f64,
+                    loaded_cpus: sched_loaded.groups[g].run_ns as f64
+                        / sched_loaded.wall.as_nanos().max(1) as f64,
+                })
+                .collect(),
         })
     })();
     for f in &flooders {

@@ -24,6 +24,7 @@
 pub mod clients;
 pub mod fairness;
 pub mod scale;
+pub mod schedstat;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -97,6 +98,15 @@ pub struct InstancesArgs {
     /// `umdev daemon --gpu-engine-nice 19` buys the idle instance's FENCE latency.
     #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true)]
     pub engine_nice: Option<EngineNice>,
+    /// Busy-host runs: every fairness set runs once more, right after its run on the
+    /// machine as it is, beside this many threads spinning at the process's priority
+    /// (e.g. one per core); 0: no busy-host runs.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub busy_threads: usize,
+    /// The time slice the GPU instances' fetcher threads ask for, µs; 0: none (the
+    /// kernel's default) [default: the engine's, 100].
+    #[arg(long, value_name = "US")]
+    pub fetcher_slice_us: Option<u64>,
     /// Output options.
     #[command(flatten)]
     pub out: OutputArgs,
@@ -132,6 +142,10 @@ impl InstancesArgs {
             engine_nice: self
                 .engine_nice
                 .map_or(GpuParentConfig::default().engine_nice, EngineNice::nice),
+            busy_threads: self.busy_threads,
+            fetcher_slice_us: self
+                .fetcher_slice_us
+                .unwrap_or(umdev_devices::gpu::engine::DEFAULT_FETCHER_SLICE.as_micros() as u64),
         }
     }
 
@@ -302,7 +316,7 @@ pub fn run(args: InstancesArgs) -> Result<(), BenchError> {
     } else {
         0
     } + if args.wants(Part::Fairness) {
-        sets.len()
+        sets.len() * if plan.busy_threads > 0 { 2 } else { 1 }
     } else {
         0
     };
@@ -329,8 +343,16 @@ pub fn run(args: InstancesArgs) -> Result<(), BenchError> {
     if args.wants(Part::Fairness) {
         for set in &sets {
             progress.start_step(&format!("fairness: {} set", set.name));
-            sets_out.push(fairness::run_set(set, &plan)?);
+            sets_out.push(fairness::run_set(set, &plan, 0)?);
             progress.finish_step();
+            if plan.busy_threads > 0 {
+                progress.start_step(&format!(
+                    "fairness: {} set, {} busy threads",
+                    set.name, plan.busy_threads
+                ));
+                sets_out.push(fairness::run_set(set, &plan, plan.busy_threads)?);
+                progress.finish_step();
+            }
         }
     }
     progress.finish();
@@ -402,6 +424,12 @@ fn notes(types: &[String], isolation: &str) -> Vec<String> {
          FENCE latency = the prober's RING_TAIL write to its fence MSI, unloaded and loaded \
          blocks alternating in one run"
             .into(),
+        "busy host (--busy-threads N): each set runs again right after its run on the \
+         machine as it is, beside N threads of this process spinning at its priority for \
+         the whole set; threads: per role, CPUs used (run time / wall time) and the mean \
+         run-queue wait per time on a CPU (/proc/self/task/<tid>/schedstat) inside the \
+         unloaded and the loaded blocks"
+            .into(),
     ]
 }
 
@@ -470,11 +498,33 @@ pub fn targets(points: &[ScalePoint], sets: &[FairnessSet]) -> Vec<TargetRow> {
         }),
         verdict: verdict(worst_create.map(|p| p.create_ms.p90 <= TARGET_CREATE_MS)),
     });
+    // The sets on the machine as it is, then (if any) the busy-host runs: each group is
+    // judged on its own.
+    let mut loads: Vec<usize> = sets.iter().map(|s| s.busy_threads).collect();
+    loads.sort_unstable();
+    loads.dedup();
+    if loads.is_empty() {
+        loads.push(0);
+    }
+    for load in loads {
+        let group: Vec<&FairnessSet> = sets.iter().filter(|s| s.busy_threads == load).collect();
+        fairness_targets(&mut rows, &group, load);
+    }
+    rows
+}
+
+/// The fairness targets of the sets run beside `load` busy threads.
+fn fairness_targets(rows: &mut Vec<TargetRow>, sets: &[&FairnessSet], load: usize) {
+    let host = if load == 0 {
+        String::new()
+    } else {
+        format!(", busy host ({load} spinning threads)")
+    };
     let worst_share = sets
         .iter()
         .max_by(|a, b| a.worst_rel_error.total_cmp(&b.worst_rel_error));
     rows.push(TargetRow {
-        target: "share of engine work vs weight (worst relative error, all sets)".into(),
+        target: format!("share of engine work vs weight (worst relative error, all sets{host})"),
         limit: format!("≤ {:.0} %", TARGET_SHARE_ERROR * 100.0),
         measured: worst_share.map_or("-".into(), |s| {
             format!("{:.2} % ({} set)", s.worst_rel_error * 100.0, s.name)
@@ -485,7 +535,7 @@ pub fn targets(points: &[ScalePoint], sets: &[FairnessSet]) -> Vec<TargetRow> {
         .iter()
         .find(|s| s.flooders.windows(2).all(|w| w[0].weight == w[1].weight));
     rows.push(TargetRow {
-        target: "Jain's index, equal weights".into(),
+        target: format!("Jain's index, equal weights{host}"),
         limit: format!("≥ {TARGET_JAIN}"),
         measured: equal.map_or("-".into(), |s| format!("{:.4} ({} set)", s.jain, s.name)),
         verdict: verdict(equal.map(|s| s.jain >= TARGET_JAIN)),
@@ -499,13 +549,14 @@ pub fn targets(points: &[ScalePoint], sets: &[FairnessSet]) -> Vec<TargetRow> {
     ] {
         let worst = sets.iter().max_by(|a, b| get(a).total_cmp(&get(b)));
         rows.push(TargetRow {
-            target: format!("idle instance's FENCE latency loaded / unloaded ({what}, worst set)"),
+            target: format!(
+                "idle instance's FENCE latency loaded / unloaded ({what}, worst set{host})"
+            ),
             limit: format!("≤ {TARGET_FENCE_RATIO:.0}×"),
             measured: worst.map_or("-".into(), |s| format!("{:.2}× ({} set)", get(s), s.name)),
             verdict: verdict(worst.map(|s| get(s) <= TARGET_FENCE_RATIO)),
         });
     }
-    rows
 }
 
 fn f1(v: f64) -> String {
@@ -521,6 +572,15 @@ fn f2(v: f64) -> String {
         format!("{v:.2}")
     } else {
         "-".into()
+    }
+}
+
+/// `, N busy threads` for a busy-host run, nothing otherwise.
+fn busy_label(n: usize) -> String {
+    if n == 0 {
+        String::new()
+    } else {
+        format!(", {n} busy threads")
     }
 }
 
@@ -636,15 +696,17 @@ pub fn render(r: &InstancesReport) -> String {
     for s in &r.fairness {
         let weights: Vec<String> = s.flooders.iter().map(|f| f.weight.to_string()).collect();
         out.push_str(&format!(
-            "\nfairness, {} set: {} flooders (weights {}), {:.2} s loaded, {} engine units \
-             ({:.0}/s), engine thread at nice {}\n",
+            "\nfairness, {} set{}: {} flooders (weights {}), {:.2} s loaded, {} engine units \
+             ({:.0}/s), engine thread at nice {}, fetcher slice {} µs\n",
             s.name,
+            busy_label(s.busy_threads),
             s.flooders.len(),
             weights.join(", "),
             s.window_s,
             s.engine_units,
             s.engine_units as f64 / s.window_s,
-            s.engine_thread_nice
+            s.engine_thread_nice,
+            r.config.fairness.fetcher_slice_us
         ));
         let mut t = Table::new(&[
             "flooder",
@@ -678,6 +740,27 @@ pub fn render(r: &InstancesReport) -> String {
             s.worst_rel_error * 100.0,
             s.jain
         ));
+        let mut t = Table::new(&[
+            "threads",
+            ">CPUs unloaded",
+            ">loaded",
+            ">run-queue wait per run µs unloaded",
+            ">loaded",
+        ]);
+        for g in s
+            .sched
+            .iter()
+            .filter(|g| g.unloaded_cpus + g.loaded_cpus > 0.0)
+        {
+            t.row(vec![
+                g.group.to_string(),
+                f2(g.unloaded_cpus),
+                f2(g.loaded_cpus),
+                f1(g.unloaded_wait_us),
+                f1(g.loaded_wait_us),
+            ]);
+        }
+        out.push_str(&t.render());
     }
     if !r.fairness.is_empty() {
         out.push_str("\nFENCE latency of an idle gpu-4m instance (doorbell to fence MSI), µs\n");
@@ -696,7 +779,7 @@ pub fn render(r: &InstancesReport) -> String {
         for s in &r.fairness {
             let f = &s.fence;
             t.row(vec![
-                s.name.clone(),
+                format!("{}{}", s.name, busy_label(s.busy_threads)),
                 format!("{}+{}", f.unloaded.n, f.loaded.n),
                 f1(f.unloaded.median),
                 f1(f.unloaded.p90),

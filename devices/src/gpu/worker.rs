@@ -361,6 +361,13 @@ struct Fetcher {
 
 impl Fetcher {
     fn run(self, rx: Receiver<()>) {
+        // A latency path: a short slice, so that a doorbell on a busy host does not wait a
+        // CPU-bound thread's slice (engine.rs, "Priority").
+        if let Some(slice) = self.engine.fetcher_slice() {
+            if let Err(e) = super::engine::set_own_slice(slice) {
+                tracing::debug!(error = %e, ?slice, "gpu: the fetcher's time slice was refused");
+            }
+        }
         'doorbells: while rx.recv().is_ok() {
             loop {
                 let Some(busy) = self.ctx.gate.enter() else {
