@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{BmeCause, PciAdapter};
 use crate::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
-use crate::pci::config_space::reg;
+use crate::pci::config_space::{reg, status};
 use crate::pci::PciDevice;
 
 /// Format of the blob the adapter saves.
@@ -81,11 +81,14 @@ impl<D: PciDevice> PciAdapter<D> {
         }
     }
 
-    /// Config ranges whose values the adapter computes (not compared on load).
-    fn computed_ranges(&self) -> Vec<(usize, usize)> {
-        let mut r = vec![(reg::STATUS, 2)];
+    /// Config bits whose values the adapter computes before every read (offset, mask):
+    /// neither compared nor taken on load.
+    fn computed_ranges(&self) -> Vec<(usize, u32)> {
+        let mut r = vec![(reg::STATUS, u32::from(status::INTERRUPT))];
         if let Some(cap) = self.caps.msi {
-            r.push(cap.pending_range());
+            let (offset, len) = cap.pending_range();
+            debug_assert_eq!(len, 4);
+            r.push((offset, u32::MAX));
         }
         r
     }
@@ -328,5 +331,51 @@ mod tests {
         let mut r = [0u8; 4];
         other.region_read(0, 0, &mut r).unwrap();
         assert_eq!(u32::from_le_bytes(r), 9, "the device was not loaded");
+    }
+
+    /// `blob` with its PCI section's config space changed by `edit`.
+    fn with_config(blob: &[u8], edit: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        let (_, f): (u32, FunctionStateV1) =
+            decode_state(FUNCTION_FORMAT, 1, FUNCTION_VERSION, blob).unwrap();
+        let (_, mut pci): (u32, PciStateV1) =
+            decode_state(PCI_FORMAT, 1, PCI_VERSION, &f.pci).unwrap();
+        edit(&mut pci.config);
+        let pci = encode_state(PCI_FORMAT, PCI_VERSION, &pci).unwrap();
+        encode_state(
+            FUNCTION_FORMAT,
+            FUNCTION_VERSION,
+            &FunctionStateV1 {
+                pci,
+                device: f.device,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn test_pci_state_status_read_only_bits_changed_refused_and_status_kept() {
+        let mut src = adapter(1);
+        let blob = src.save().unwrap();
+        let mut dst = adapter(1);
+        let before = cfg_read(&mut dst, 0x06, 2);
+        assert_eq!(
+            u16::from_le_bytes([before[0], before[1]]) & status::CAP_LIST,
+            status::CAP_LIST
+        );
+        // The stream of the issue: Capabilities List cleared, DEVSEL timing and 66 MHz set.
+        let bad = with_config(&blob, |c| {
+            c[0x06..0x08].copy_from_slice(&0x0220u16.to_le_bytes())
+        });
+        let e = dst.load(&bad).unwrap_err();
+        assert!(matches!(e, MigrationError::Incompatible(_)), "{e}");
+        assert_eq!(cfg_read(&mut dst, 0x06, 2), before, "STATUS unchanged");
+        // A W1C error bit this function never sets: refused too.
+        let bad = with_config(&blob, |c| c[0x07] |= 0x80);
+        assert!(dst.load(&bad).is_err());
+        // The computed interrupt bit is neither compared nor taken: it follows the INTx
+        // state that came with the stream (none here).
+        let ok = with_config(&blob, |c| c[0x06] |= status::INTERRUPT as u8);
+        dst.load(&ok).unwrap();
+        assert_eq!(cfg_read(&mut dst, 0x06, 2), before);
     }
 }
