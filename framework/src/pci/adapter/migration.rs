@@ -24,8 +24,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{BmeCause, PciAdapter};
-use crate::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
-use crate::pci::config_space::{reg, status};
+use crate::migration::{encode_state, Decoder, Migrate, MigrationCaps, MigrationError};
+use crate::pci::config_space::{reg, status, CONFIG_SIZE};
 use crate::pci::PciDevice;
 
 /// Format of the blob the adapter saves.
@@ -54,6 +54,9 @@ struct PciStateV1 {
     msi_pending: u64,
     intx_level: bool,
 }
+
+/// Framing of the function blob around its two sections (header, two lengths).
+const FUNCTION_OVERHEAD: u64 = 64;
 
 fn incompatible(why: String) -> MigrationError {
     MigrationError::Incompatible(format!("PCI state does not fit this function: {why}"))
@@ -91,6 +94,62 @@ impl<D: PciDevice> PciAdapter<D> {
             r.push((offset, u32::MAX));
         }
         r
+    }
+
+    fn msix_vectors(&self) -> usize {
+        self.msix_table.as_ref().map_or(0, |t| t.entries().len())
+    }
+
+    /// Upper bound of the encoded PCI section of this function: header, 256 config bytes,
+    /// the MSI-X table (three varint u32 per vector) and bitmaps (varint u64 per 64
+    /// vectors), the MSI pending word, the INTx level, each length a varint.
+    fn max_pci_section(&self) -> u64 {
+        let vectors = self.msix_vectors() as u64;
+        let words = vectors.div_ceil(64);
+        64 + 5 + CONFIG_SIZE as u64 + 5 + vectors * 15 + 2 * (5 + words * 10) + 10 + 1
+    }
+
+    /// Decode a PCI section within this function's sizes: every declared length is checked
+    /// against this function's before anything is allocated for it.
+    fn decode_pci_state(&self, bytes: &[u8]) -> Result<PciStateV1, MigrationError> {
+        let (_, mut d) = Decoder::new(PCI_FORMAT, 1, PCI_VERSION, bytes)?;
+        let config = d.bytes()?;
+        if config.len() != CONFIG_SIZE {
+            return Err(incompatible(format!(
+                "config space of {} bytes, this function has {CONFIG_SIZE}",
+                config.len()
+            )));
+        }
+        let vectors = self.msix_vectors();
+        let n = d.seq_len(usize::MAX, 3)?;
+        if n != vectors {
+            return Err(incompatible(format!(
+                "MSI-X table of {n} vectors, this function has {vectors}"
+            )));
+        }
+        let msix_table = (0..n).map(|_| d.value()).collect::<Result<_, _>>()?;
+        let words = vectors.div_ceil(64);
+        let mut bitmap = |what: &str| -> Result<Vec<u64>, MigrationError> {
+            let n = d.seq_len(usize::MAX, 1)?;
+            if n != words {
+                return Err(incompatible(format!(
+                    "MSI-X {what} bitmap of {n} words, this function has {words}"
+                )));
+            }
+            (0..n).map(|_| d.value()).collect()
+        };
+        let msix_guest_mask = bitmap("mask")?;
+        let msix_pending = bitmap("pending")?;
+        let st = PciStateV1 {
+            config: config.to_vec(),
+            msix_table,
+            msix_guest_mask,
+            msix_pending,
+            msi_pending: d.value()?,
+            intx_level: d.value()?,
+        };
+        d.finish()?;
+        Ok(st)
     }
 
     /// Everything [`Self::apply_pci_state`] would refuse, refused without changing anything.
@@ -182,12 +241,24 @@ impl<D: PciDevice> Migrate for PciAdapter<D> {
         )
     }
 
+    /// The device's own limit plus the PCI section of this function (its MSI-X vector
+    /// count fixes its size) and the framing around both.
+    fn max_state_size(&self) -> u64 {
+        self.mig_max_state
+            .saturating_add(self.max_pci_section())
+            .saturating_add(FUNCTION_OVERHEAD)
+    }
+
     fn load(&mut self, state: &[u8]) -> Result<(), MigrationError> {
-        let (_, f): (u32, FunctionStateV1) =
-            decode_state(FUNCTION_FORMAT, 1, FUNCTION_VERSION, state)?;
-        let (_, pci): (u32, PciStateV1) = decode_state(PCI_FORMAT, 1, PCI_VERSION, &f.pci)?;
+        // Both sections are borrowed out of the frame, the PCI one decoded within this
+        // function's sizes (no copy, nothing allocated from a declared length).
+        let (_, mut f) = Decoder::new(FUNCTION_FORMAT, 1, FUNCTION_VERSION, state)?;
+        let pci = f.bytes()?;
+        let device = f.bytes()?;
+        f.finish()?;
+        let pci = self.decode_pci_state(pci)?;
         self.check_pci_state(&pci)?;
-        self.device_migration()?.load(&f.device)?;
+        self.device_migration()?.load(device)?;
         self.apply_pci_state(&pci)
     }
 
@@ -204,6 +275,7 @@ impl<D: PciDevice> Migrate for PciAdapter<D> {
 mod tests {
     use super::*;
     use crate::device::Device;
+    use crate::migration::decode_state;
     use crate::pci::{BarKind, BarSpec, MsixSpec, PciConfig};
 
     /// Registers only; migrates them.
