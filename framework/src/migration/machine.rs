@@ -106,6 +106,9 @@ struct Saving {
     /// The client saw the end of the data produced so far (a short read); in PRE_COPY the
     /// next read asks the device for more.
     may_refill: bool,
+    /// The first PRE_COPY chunk was asked for: until then the `Start` frame is not a round
+    /// of its own, so the first read carries it and the first chunk.
+    first_asked: bool,
     /// STOP_COPY's state is framed: after it, the stream has ended for good.
     final_state: bool,
 }
@@ -352,7 +355,8 @@ impl Machine {
     }
 
     /// MIG_DATA_READ of up to `size` bytes (fewer means: no more data for now in PRE_COPY,
-    /// the end of the stream in STOP_COPY).
+    /// the end of the stream in STOP_COPY). The first PRE_COPY read carries the `Start`
+    /// frame and as much of the first chunk as fits.
     pub fn read(&mut self, size: usize, dev: &mut dyn Migrate) -> Result<Vec<u8>, MachineError> {
         let state = self.state;
         let Session::Saving(s) = &mut self.session else {
@@ -361,15 +365,21 @@ impl Machine {
                 state,
             });
         };
-        if !s.final_state && s.left() == 0 {
-            if !s.may_refill {
-                // The previous read ended exactly at the end of a chunk: this empty read is
-                // the client's "no more data for now"; the next one asks the device.
-                s.may_refill = true;
-                return Ok(Vec::new());
-            }
-            if !self.produce(dev)? {
-                return Ok(Vec::new());
+        if !s.final_state {
+            if !s.first_asked {
+                s.first_asked = true;
+                self.produce(dev)?;
+            } else if s.left() == 0 {
+                if !s.may_refill {
+                    // The previous read ended exactly at the end of a chunk: this empty
+                    // read is the client's "no more data for now"; the next one asks the
+                    // device.
+                    s.may_refill = true;
+                    return Ok(Vec::new());
+                }
+                if !self.produce(dev)? {
+                    return Ok(Vec::new());
+                }
             }
         }
         let Session::Saving(s) = &mut self.session else {
@@ -456,6 +466,49 @@ mod tests {
         fn precopy(&mut self) -> Result<Option<Vec<u8>>, MigrationError> {
             Ok((!std::mem::replace(&mut self.sent, true)).then(|| vec![1; self.chunk]))
         }
+    }
+
+    fn start_len() -> usize {
+        let mut s = Vec::new();
+        stream::write_start(&mut s).unwrap();
+        s.len()
+    }
+
+    #[test]
+    fn test_machine_first_precopy_read_carries_start_and_first_chunk() {
+        let mut dev = OneChunk::new(100, 10);
+        let mut m = Machine::new(dev.caps());
+        m.set_state(MigState::PreCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let first = m.read(4096, &mut dev).unwrap();
+        assert!(
+            first.len() > start_len() + 100,
+            "the first read returned {} bytes (the Start frame is {})",
+            first.len(),
+            start_len()
+        );
+        assert!(m.read(4096, &mut dev).unwrap().is_empty(), "round over");
+        // A small first read still gets the start first, then the rest of the chunk.
+        let mut dev = OneChunk::new(100, 10);
+        let mut m = Machine::new(dev.caps());
+        m.set_state(MigState::PreCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let mut all = m.read(8, &mut dev).unwrap();
+        loop {
+            let more = m.read(8, &mut dev).unwrap();
+            let short = more.len() < 8;
+            all.extend(more);
+            if short {
+                break;
+            }
+        }
+        assert_eq!(all, first, "the same bytes in small reads");
+        // STOP_COPY then drains the state and ends.
+        m.set_state(MigState::StopCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let rest = m.read(4096, &mut dev).unwrap();
+        assert!(m.read(4096, &mut dev).unwrap().is_empty());
+        assert!(!rest.is_empty());
     }
 
     #[test]
