@@ -13,10 +13,11 @@
 //! - `pci-section`: a State frame whose PCI section carries 32 MiB of "config space".
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use umdev::migration::stream::{write_precopy, write_start, write_state_and_end};
 use umdev::migration::{encode_state, MigState};
-use umdev::testing::{TestServer, Vmm};
+use umdev::testing::{wait_until, TestServer, Vmm};
 use umdev_devices::gpu::migration::wire::{PRECOPY_FORMAT, PRECOPY_VERSION};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
@@ -137,16 +138,23 @@ fn run_case(case: &str) {
     };
     // Refused somewhere (a write, or the load at RESUMING -> STOP) or loaded: either way
     // the destination's memory is what is measured.
+    let t = Instant::now();
     let written = vmm.mig_write_all(&measured);
     let stopped = vmm.set_mig_state(MigState::Stop);
+    // A load that outlasted the client's receive timeout still holds the device: wait
+    // for it before the peak is read.
+    drop(served.device());
     let peak = status_kib("VmHWM:");
     eprintln!(
-        "{case}: write {:?}, stop {:?}, peak reset {reset}",
+        "{case}: write {:?}, stop {:?}, peak reset {reset}, {:?}",
         written.err().map(|e| e.to_string()),
-        stopped.err().map(|e| e.to_string())
+        stopped.err().map(|e| e.to_string()),
+        t.elapsed()
     );
-    // The server still serves: a reset takes the device back to RUNNING.
-    vmm.reset().unwrap();
+    // The server still serves: the next client finds the device RUNNING.
+    drop(vmm);
+    assert!(wait_until(Duration::from_secs(600), || !served.client_attached()));
+    let mut vmm = served.connect().unwrap();
     assert_eq!(vmm.mig_state().unwrap(), MigState::Running);
     println!(
         "MIG_RSS {} {}",
