@@ -156,7 +156,9 @@ pub trait Migrate: Send {
     fn save(&mut self) -> Result<Vec<u8>, MigrationError>;
 
     /// Replace the device's state with `state` from [`Migrate::save`] (RESUMING → STOP).
-    /// On error the device must be as after a reset, not half loaded.
+    /// On error the device must be as after a reset, not half loaded. `state` is client
+    /// data of at most [`Migrate::max_state_size`] bytes: a state with sequences reads them
+    /// with a [`Decoder`], each declared length checked against the device's own sizes.
     fn load(&mut self, state: &[u8]) -> Result<(), MigrationError>;
 
     /// PRE_COPY: state that changed since the previous call (the first call: what can be

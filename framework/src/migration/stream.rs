@@ -573,4 +573,22 @@ mod tests {
         );
         assert_eq!(r.finish().unwrap(), state);
     }
+
+    #[test]
+    fn test_stream_state_over_1_gib_accepted_for_a_device_that_declares_it() {
+        // A 2 GiB GPU type's state is ~2.004 GiB: its head must not be refused for its
+        // size (the reader once capped every frame at 1 GiB, so STOP_COPY of such a type
+        // could never be loaded). Nothing of the payload is fed: only its buffer is
+        // reserved, untouched.
+        let mut sink = Sink {
+            limit: (2 << 30) + (10 << 20),
+            ..Sink::default()
+        };
+        let mut r = StreamReader::new();
+        r.feed(
+            &start_and_head(Kind::State, (2 << 30) + (9 << 20)),
+            &mut sink,
+        )
+        .unwrap();
+    }
 }

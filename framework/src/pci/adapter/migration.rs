@@ -13,7 +13,10 @@
 //! (format `umdev-pci-function`, version 1, [`FunctionStateV1`]): first the PCI section,
 //! then the device's section, each a versioned [`encode_state`] of its own.
 //!
-//! Loading checks everything before changing anything: the function format and version,
+//! Loading decodes both sections borrowed from the frame and the PCI section field by field
+//! within this function's sizes (256 config bytes, its MSI-X vector count: a longer
+//! declared length is refused before anything is allocated), and checks everything before
+//! changing anything: the function format and version,
 //! the PCI section's format and version, and that the PCI state fits this function (the
 //! read-only bits of config space equal this function's, the MSI-X table and bitmaps have
 //! this function's vector count). Only then does the device load its section; only if that
