@@ -85,3 +85,18 @@ start = frame(0, varint(len(fmt)) + fmt + varint(1))
 stream = start + frame(1, b'precopy chunk') + frame(2, b'state bytes') + frame(3, b'')
 # protocol_decode: the payload doubles as a migration stream.
 put('protocol_decode', 'mig_stream', msg(30, 18, b'')[:16] + b'\x00' + stream)
+
+
+# The GPU's PRE_COPY chunk and state (devices/src/gpu/migration/wire.rs) for the 64 KiB
+# framebuffer the target decodes them for: 15 solid pages and one page of bytes.
+def header(fmt, version):
+    return varint(len(fmt)) + fmt + varint(version)
+
+
+pages = b''.join(varint(i) + b'\x00' + varint(0x11223344) for i in range(15))
+pages += varint(15) + b'\x01' + varint(4096) + bytes(range(256)) * 16
+chunk = header(b'umdev-gpu-fb', 1) + varint(65536) + varint(0) + varint(16) + pages
+put('protocol_decode', 'gpu_chunk', bytes(16) + b'\x00' + chunk)
+regs = varint(65536) + bytes(4) + b'\x00' + bytes(4) + b'\x00' + bytes(8)
+gpu_state = header(b'umdev-gpu', 1) + regs + varint(1024) + bytes(1024) + varint(0) + varint(16) + pages
+put('protocol_decode', 'gpu_state', bytes(16) + b'\x00' + gpu_state)
