@@ -146,7 +146,7 @@ fn run_case(case: &str) {
     drop(served.device());
     let peak = status_kib("VmHWM:");
     eprintln!(
-        "{case}: write {:?}, stop {:?}, peak reset {reset}, {:?}",
+        "{case}: write {:?}, stop {:?}, peak reset {reset}, {:?}, base {base} KiB, peak {peak} KiB",
         written.err().map(|e| e.to_string()),
         stopped.err().map(|e| e.to_string()),
         t.elapsed()
