@@ -3,7 +3,9 @@
 //! rest is the payload. Also the reply decoders of server→client DMA and VERSION
 //! negotiation, and the migration stream: the payload fed to a `StreamReader` in two pieces
 //! (split where the knob says) and, whole, to a PCI function's `Migrate::load` (the
-//! framework's PCI section and a device section). Nothing may panic.
+//! framework's PCI section and a device section), and the GPU's bounded decoders of a
+//! PRE_COPY chunk and a state (declared page counts, duplicates, page lengths, checked
+//! in the frame without collecting the pages). Nothing may panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -15,6 +17,7 @@ use umdev::migration::{decode_state, encode_state, Migrate, MigrationError};
 use umdev::pci::{BarKind, BarSpec, MsixSpec, PciAdapter, PciConfig, PciDevice};
 use umdev::protocol::version::{negotiate, ServerOffer, Version};
 use umdev::protocol::{decode_request, Header, Limits, MessageType, HEADER_SIZE};
+use umdev_devices::gpu::migration::wire::{decode_chunk_v1, decode_state_v1};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < HEADER_SIZE + 1 {
@@ -68,6 +71,15 @@ fuzz_target!(|data: &[u8]| {
     }
     // The PCI function state alone (the framework's PCI section, then the device's).
     let _ = adapter().load(payload);
+    // The GPU's decoders, for a 64 KiB framebuffer (16 pages).
+    const FB: u64 = 64 * 1024;
+    if let Ok((_, pages)) = decode_chunk_v1(payload, FB) {
+        let _ = pages.check(FB);
+    }
+    if let Ok((state, pages)) = decode_state_v1(payload, FB) {
+        let _ = state.check_regs(FB);
+        let _ = pages.check(FB);
+    }
     let _ = decode_dma_rw_request(payload);
     let iova = u64::from(hdr.msg_id) << 12;
     let count = u64::from(hdr.error);

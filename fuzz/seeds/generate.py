@@ -99,3 +99,17 @@ put('control_decode', 'saved_reply', b'\x01{"version":2,"ok":{"reply":"saved","i
     b'{"uuid":"u","parent":"gpu","type":"gpu-4m","params":{},"socket":"/s","client_attached":'
     b'false,"defined":true,"autostart":false,"dma":{"maps":0,"pinned_pages":0,"locked_pages":0,'
     b'"leaked_pins_released":0}},"state_len":5,"handed_over":true}}\nstate')
+
+# The GPU's PRE_COPY chunk and state (devices/src/gpu/migration/wire.rs) for the 64 KiB
+# framebuffer the target decodes them for: 15 solid pages and one page of bytes.
+def header(fmt, version):
+    return varint(len(fmt)) + fmt + varint(version)
+
+
+pages = b''.join(varint(i) + b'\x00' + varint(0x11223344) for i in range(15))
+pages += varint(15) + b'\x01' + varint(4096) + bytes(range(256)) * 16
+chunk = header(b'umdev-gpu-fb', 1) + varint(65536) + varint(0) + varint(16) + pages
+put('protocol_decode', 'gpu_chunk', bytes(16) + b'\x00' + chunk)
+regs = varint(65536) + bytes(4) + b'\x00' + bytes(4) + b'\x00' + bytes(8)
+gpu_state = header(b'umdev-gpu', 1) + regs + varint(1024) + bytes(1024) + varint(0) + varint(16) + pages
+put('protocol_decode', 'gpu_state', bytes(16) + b'\x00' + gpu_state)

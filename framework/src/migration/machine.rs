@@ -35,6 +35,8 @@
 //! - A saving session exists exactly in PRE_COPY and STOP_COPY, a resuming one exactly in
 //!   RESUMING; data reads and writes in any other state are refused.
 
+use std::collections::VecDeque;
+
 use super::arcs::{self, ArcError};
 use super::stream::{self, StreamReader};
 use super::{MigState, Migrate, MigrationCaps, MigrationError};
@@ -90,31 +92,57 @@ pub enum MachineError {
 }
 
 /// A saving session: the bytes produced and not read yet.
+///
+/// Kept as the buffers they were produced in — a frame head, then the device's own state
+/// or chunk — so a large state is never copied to sit behind its head: the reads copy out
+/// of these buffers, and each is dropped once read.
 #[derive(Debug, Default)]
 struct Saving {
-    buf: Vec<u8>,
+    queue: VecDeque<Vec<u8>>,
+    /// Bytes of the front buffer already read.
     pos: usize,
+    /// Bytes not read yet, over the whole queue.
+    left: usize,
     /// The client saw the end of the data produced so far (a short read); in PRE_COPY the
     /// next read asks the device for more.
     may_refill: bool,
+    /// The first PRE_COPY chunk was asked for: until then the `Start` frame is not a round
+    /// of its own, so the first read carries it and the first chunk.
+    first_asked: bool,
     /// STOP_COPY's state is framed: after it, the stream has ended for good.
     final_state: bool,
 }
 
 impl Saving {
     fn left(&self) -> usize {
-        self.buf.len() - self.pos
+        self.left
     }
 
-    /// Append `more` after the unread bytes (the consumed prefix is dropped).
-    fn append(&mut self, more: Vec<u8>) {
-        self.buf.drain(..self.pos);
-        self.pos = 0;
-        if self.buf.is_empty() {
-            self.buf = more;
-        } else {
-            self.buf.extend_from_slice(&more);
+    /// Queue `more` after the unread bytes.
+    fn push(&mut self, more: Vec<u8>) {
+        if !more.is_empty() {
+            self.left += more.len();
+            self.queue.push_back(more);
         }
+    }
+
+    /// Take up to `n` bytes.
+    fn take(&mut self, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n.min(self.left));
+        while out.len() < n {
+            let Some(front) = self.queue.front() else {
+                break;
+            };
+            let k = (n - out.len()).min(front.len() - self.pos);
+            out.extend_from_slice(&front[self.pos..self.pos + k]);
+            self.pos += k;
+            if self.pos == front.len() {
+                self.queue.pop_front();
+                self.pos = 0;
+            }
+        }
+        self.left -= out.len();
+        out
     }
 }
 
@@ -134,6 +162,18 @@ pub struct MachineStats {
     pub bytes_written: u64,
     /// PRE_COPY chunks produced.
     pub precopy_chunks: u64,
+}
+
+/// Refuse a state or chunk over the device's declared [`Migrate::max_state_size`]: no
+/// destination would read it (a device bug, reported on the source).
+fn within_limit(what: &str, len: usize, dev: &dyn Migrate) -> Result<(), MigrationError> {
+    let max = dev.max_state_size().min(stream::MAX_FRAME as u64);
+    if len as u64 > max {
+        return Err(MigrationError::Device(format!(
+            "the device produced a {what} of {len} bytes, over the {max} it declares"
+        )));
+    }
+    Ok(())
 }
 
 /// The state machine of one connection (see the module doc).
@@ -228,9 +268,9 @@ impl Machine {
             }
             (Stop, StopCopy) => {
                 let mut s = Saving::default();
-                let mut buf = Vec::new();
-                stream::write_start(&mut buf)?;
-                s.append(buf);
+                let mut start = Vec::new();
+                stream::write_start(&mut start)?;
+                s.push(start);
                 self.save_final(&mut s, dev)?;
                 self.session = Session::Saving(s);
                 Ok(())
@@ -250,13 +290,13 @@ impl Machine {
                 Ok(())
             }
             (Running, PreCopy) => {
-                let mut buf = Vec::new();
-                stream::write_start(&mut buf)?;
+                let mut start = Vec::new();
+                stream::write_start(&mut start)?;
                 let mut s = Saving {
                     may_refill: true,
                     ..Saving::default()
                 };
-                s.append(buf);
+                s.push(start);
                 self.session = Session::Saving(s);
                 Ok(())
             }
@@ -291,15 +331,32 @@ impl Machine {
 
     fn save_final(&mut self, s: &mut Saving, dev: &mut dyn Migrate) -> Result<(), MigrationError> {
         let state = dev.save()?;
-        let mut buf = Vec::with_capacity(state.len() + 32);
-        stream::write_state_and_end(&state, &mut buf)?;
-        s.append(buf);
+        within_limit("state", state.len(), dev)?;
+        s.push(stream::state_head(&state)?);
+        s.push(state);
+        s.push(stream::end_frame()?);
         s.final_state = true;
         Ok(())
     }
 
+    /// The device's next PRE_COPY chunk, queued; false if it has none.
+    fn produce(&mut self, dev: &mut dyn Migrate) -> Result<bool, MachineError> {
+        let Session::Saving(s) = &mut self.session else {
+            return Ok(false);
+        };
+        let Some(chunk) = dev.precopy().map_err(MachineError::Produce)? else {
+            return Ok(false);
+        };
+        within_limit("PRE_COPY chunk", chunk.len(), dev).map_err(MachineError::Produce)?;
+        s.push(stream::precopy_head(&chunk).map_err(MachineError::Produce)?);
+        s.push(chunk);
+        self.stats.precopy_chunks += 1;
+        Ok(true)
+    }
+
     /// MIG_DATA_READ of up to `size` bytes (fewer means: no more data for now in PRE_COPY,
-    /// the end of the stream in STOP_COPY).
+    /// the end of the stream in STOP_COPY). The first PRE_COPY read carries the `Start`
+    /// frame and as much of the first chunk as fits.
     pub fn read(&mut self, size: usize, dev: &mut dyn Migrate) -> Result<Vec<u8>, MachineError> {
         let state = self.state;
         let Session::Saving(s) = &mut self.session else {
@@ -308,30 +365,31 @@ impl Machine {
                 state,
             });
         };
-        if s.left() == 0 && !s.final_state {
-            if !s.may_refill {
-                // The previous read ended exactly at the end of a chunk: this empty read is
-                // the client's "no more data for now"; the next one asks the device.
-                s.may_refill = true;
-                return Ok(Vec::new());
-            }
-            match dev.precopy().map_err(MachineError::Produce)? {
-                Some(chunk) => {
-                    let mut buf = Vec::with_capacity(chunk.len() + 16);
-                    stream::write_precopy(&chunk, &mut buf).map_err(MachineError::Produce)?;
-                    s.append(buf);
-                    self.stats.precopy_chunks += 1;
+        if !s.final_state {
+            if !s.first_asked {
+                s.first_asked = true;
+                self.produce(dev)?;
+            } else if s.left() == 0 {
+                if !s.may_refill {
+                    // The previous read ended exactly at the end of a chunk: this empty
+                    // read is the client's "no more data for now"; the next one asks the
+                    // device.
+                    s.may_refill = true;
+                    return Ok(Vec::new());
                 }
-                None => return Ok(Vec::new()),
+                if !self.produce(dev)? {
+                    return Ok(Vec::new());
+                }
             }
         }
-        let n = size.min(s.left());
-        let out = s.buf[s.pos..s.pos + n].to_vec();
-        s.pos += n;
+        let Session::Saving(s) = &mut self.session else {
+            return Ok(Vec::new());
+        };
+        let out = s.take(size);
         if s.left() == 0 {
-            s.may_refill = n < size;
+            s.may_refill = out.len() < size;
         }
-        self.stats.bytes_read += n as u64;
+        self.stats.bytes_read += out.len() as u64;
         Ok(out)
     }
 
@@ -360,5 +418,109 @@ impl Machine {
             MigState::Running
         };
         self.session = Session::None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One PRE_COPY chunk of `chunk` bytes, then none; a state of `state` bytes.
+    struct OneChunk {
+        chunk: usize,
+        state: usize,
+        sent: bool,
+        limit: u64,
+    }
+
+    impl OneChunk {
+        fn new(chunk: usize, state: usize) -> OneChunk {
+            OneChunk {
+                chunk,
+                state,
+                sent: false,
+                limit: crate::migration::DEFAULT_MAX_STATE,
+            }
+        }
+    }
+
+    impl Migrate for OneChunk {
+        fn caps(&self) -> MigrationCaps {
+            MigrationCaps { pre_copy: true }
+        }
+        fn max_state_size(&self) -> u64 {
+            self.limit
+        }
+        fn stop(&mut self) -> Result<(), MigrationError> {
+            Ok(())
+        }
+        fn resume(&mut self) -> Result<(), MigrationError> {
+            Ok(())
+        }
+        fn save(&mut self) -> Result<Vec<u8>, MigrationError> {
+            Ok(vec![2; self.state])
+        }
+        fn load(&mut self, _state: &[u8]) -> Result<(), MigrationError> {
+            Ok(())
+        }
+        fn precopy(&mut self) -> Result<Option<Vec<u8>>, MigrationError> {
+            Ok((!std::mem::replace(&mut self.sent, true)).then(|| vec![1; self.chunk]))
+        }
+    }
+
+    fn start_len() -> usize {
+        let mut s = Vec::new();
+        stream::write_start(&mut s).unwrap();
+        s.len()
+    }
+
+    #[test]
+    fn test_machine_first_precopy_read_carries_start_and_first_chunk() {
+        let mut dev = OneChunk::new(100, 10);
+        let mut m = Machine::new(dev.caps());
+        m.set_state(MigState::PreCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let first = m.read(4096, &mut dev).unwrap();
+        assert!(
+            first.len() > start_len() + 100,
+            "the first read returned {} bytes (the Start frame is {})",
+            first.len(),
+            start_len()
+        );
+        assert!(m.read(4096, &mut dev).unwrap().is_empty(), "round over");
+        // A small first read still gets the start first, then the rest of the chunk.
+        let mut dev = OneChunk::new(100, 10);
+        let mut m = Machine::new(dev.caps());
+        m.set_state(MigState::PreCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let mut all = m.read(8, &mut dev).unwrap();
+        loop {
+            let more = m.read(8, &mut dev).unwrap();
+            let short = more.len() < 8;
+            all.extend(more);
+            if short {
+                break;
+            }
+        }
+        assert_eq!(all, first, "the same bytes in small reads");
+        // STOP_COPY then drains the state and ends.
+        m.set_state(MigState::StopCopy, &mut dev, &mut |_| {})
+            .unwrap();
+        let rest = m.read(4096, &mut dev).unwrap();
+        assert!(m.read(4096, &mut dev).unwrap().is_empty());
+        assert!(!rest.is_empty());
+    }
+
+    #[test]
+    fn test_machine_state_over_declared_limit_fails_the_arc_on_the_source() {
+        let mut dev = OneChunk::new(10, 2000);
+        dev.limit = 1000;
+        let mut m = Machine::new(dev.caps());
+        m.set_state(MigState::Stop, &mut dev, &mut |_| {}).unwrap();
+        let e = m
+            .set_state(MigState::StopCopy, &mut dev, &mut |_| {})
+            .unwrap_err();
+        assert!(e.to_string().contains("ERROR"), "{e}");
+        assert_eq!(m.state(), MigState::Error);
     }
 }

@@ -15,15 +15,24 @@
 //! Files: [`arcs`] (the legal arcs and the shortest path a SET takes, checked against the
 //! kernel's table), [`machine`] (the per-connection state machine: which [`Migrate`] call
 //! each arc makes, the data sessions, ERROR), [`stream`] (the framed data stream of
-//! MIG_DATA_READ/WRITE: start frame, PRE_COPY frames, the state, end; CRC-checked), this
-//! file (the states, the trait, the versioned encoding). The wire side is in
+//! MIG_DATA_READ/WRITE: start frame, PRE_COPY frames, the state, end; CRC-checked),
+//! [`decode`] (field-by-field decoding of a state within the device's limits), this
+//! file (the states, the trait, the versioned encoding).
+//!
+//! **Limits.** A device declares the largest state it produces
+//! ([`Migrate::max_state_size`]); a destination refuses a frame longer than that at its
+//! head, before buffering any of it, and holds at most one frame at a time, once. Inside a
+//! frame, a device whose state carries sequences decodes them with a [`Decoder`], checking
+//! each declared length against what it can hold before anything is allocated. The wire side is in
 //! `protocol::feature`, the dispatch in `server`, the framework's own PCI state in
 //! `pci/migration.rs`; `protocol-docs/migration.md` describes it all for a VMM.
 
 pub mod arcs;
+pub mod decode;
 pub mod machine;
 pub mod stream;
 
+pub use decode::Decoder;
 pub use machine::{Machine, MachineError, Quiesce};
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -121,6 +130,17 @@ pub trait Migrate: Send {
         MigrationCaps::default()
     }
 
+    /// The largest [`Migrate::save`] state or [`Migrate::precopy`] chunk this device
+    /// produces, in bytes, computed from its real size (a GPU: from its framebuffer). A
+    /// destination refuses a longer frame at its head, before it buffers any of it, so this
+    /// bounds what a client can make the destination hold; a source whose device produces
+    /// more fails the arc instead of sending a stream no destination reads. At most
+    /// [`stream::MAX_FRAME`] (the frame head's 32-bit length); the default,
+    /// [`DEFAULT_MAX_STATE`], suits small register-only devices.
+    fn max_state_size(&self) -> u64 {
+        DEFAULT_MAX_STATE
+    }
+
     /// Stop the device (RUNNING/PRE_COPY → STOP). When this returns: no DMA, no interrupt,
     /// no change of state that [`Migrate::save`] captures; in-flight work is finished or
     /// captured in that state. Server→client requests are cancelled while it runs (a
@@ -136,7 +156,9 @@ pub trait Migrate: Send {
     fn save(&mut self) -> Result<Vec<u8>, MigrationError>;
 
     /// Replace the device's state with `state` from [`Migrate::save`] (RESUMING → STOP).
-    /// On error the device must be as after a reset, not half loaded.
+    /// On error the device must be as after a reset, not half loaded. `state` is client
+    /// data of at most [`Migrate::max_state_size`] bytes: a state with sequences reads them
+    /// with a [`Decoder`], each declared length checked against the device's own sizes.
     fn load(&mut self, state: &[u8]) -> Result<(), MigrationError>;
 
     /// PRE_COPY: state that changed since the previous call (the first call: what can be
@@ -154,6 +176,9 @@ pub trait Migrate: Send {
         ))
     }
 }
+
+/// [`Migrate::max_state_size`] of a device that does not declare its own: 16 MiB.
+pub const DEFAULT_MAX_STATE: u64 = 16 << 20;
 
 /// The header in front of every encoded state.
 #[derive(Serialize, Deserialize)]
@@ -173,9 +198,16 @@ pub fn encode_state<T: Serialize>(
         format: format.to_owned(),
         version,
     };
-    let mut out = postcard::to_allocvec(&header).map_err(|e| malformed(format, e))?;
-    out.extend(postcard::to_allocvec(value).map_err(|e| malformed(format, e))?);
-    Ok(out)
+    // Sized first, so a large state is written once into a buffer of its exact size (no
+    // doubling, no second copy).
+    let size = postcard::experimental::serialized_size(&header)
+        .and_then(|h| Ok(h + postcard::experimental::serialized_size(value)?))
+        .map_err(|e| malformed(format, e))?;
+    let mut out = Vec::new();
+    out.try_reserve_exact(size)
+        .map_err(|e| MigrationError::Device(format!("{format} state of {size} bytes: {e}")))?;
+    let out = postcard::to_extend(&header, out).map_err(|e| malformed(format, e))?;
+    postcard::to_extend(value, out).map_err(|e| malformed(format, e))
 }
 
 /// Decode what [`encode_state`] wrote: the header must name `format` with a version in

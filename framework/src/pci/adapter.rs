@@ -52,6 +52,9 @@ pub struct PciAdapter<D: PciDevice> {
     /// What the device's [`PciDevice::migration`] offered when the adapter was built
     /// (`None`: the device does not migrate).
     mig_caps: Option<MigrationCaps>,
+    /// The device's [`Migrate::max_state_size`](crate::migration::Migrate::max_state_size)
+    /// when the adapter was built.
+    mig_max_state: u64,
 }
 
 impl<D: PciDevice> std::fmt::Debug for PciAdapter<D> {
@@ -83,6 +86,7 @@ impl<D: PciDevice> PciAdapter<D> {
     pub fn new(mut dev: D) -> Result<PciAdapter<D>, DeviceError> {
         let config = dev.config();
         let mig_caps = dev.migration().map(|m| m.caps());
+        let mig_max_state = dev.migration().map_or(0, |m| m.max_state_size());
         validate(&config)?;
         let (space, caps) = header::build(&config);
         let mut bars: [Option<Bar>; 6] = Default::default();
@@ -122,6 +126,7 @@ impl<D: PciDevice> PciAdapter<D> {
             irq,
             dma: None,
             mig_caps,
+            mig_max_state,
         })
     }
 

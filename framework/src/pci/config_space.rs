@@ -120,13 +120,19 @@ impl ConfigSpace {
     }
 
     /// Take migrated `saved` bytes, after checking that they come from a function of the
-    /// same layout: every bit the guest cannot write (not in the write or W1C masks) must
-    /// equal this function's reset value, except in the `computed` ranges (offset, length)
-    /// whose values the adapter stores itself. On error nothing changes.
+    /// same layout and describe a state it can be in. Only what the guest can write (the
+    /// write masks) is taken from `saved`; every other bit must equal this function's reset
+    /// value or the stream is refused. That includes the write-1-to-clear error bits of
+    /// STATUS: umdev's emulation never sets them (no parity or abort is ever signalled), so
+    /// a saved 1 there is a state this function cannot be in. `computed` lists the bits
+    /// (offset of a little-endian field, mask) whose values the adapter stores itself
+    /// before every read (STATUS's interrupt bit, MSI pending bits): those are neither
+    /// compared nor taken, they keep this function's value until it recomputes them. On
+    /// error nothing changes.
     pub(crate) fn restore(
         &mut self,
         saved: &[u8],
-        computed: &[(usize, usize)],
+        computed: &[(usize, u32)],
     ) -> Result<(), String> {
         let saved: [u8; CONFIG_SIZE] = saved.try_into().map_err(|_| {
             format!(
@@ -134,19 +140,29 @@ impl ConfigSpace {
                 saved.len()
             )
         })?;
+        let computed_mask = |i: usize| -> u8 {
+            computed
+                .iter()
+                .filter_map(|&(o, m)| {
+                    let k = i.checked_sub(o).filter(|&k| k < 4)?;
+                    Some((m >> (8 * k)) as u8)
+                })
+                .fold(0, |a, b| a | b)
+        };
+        let mut next = self.bytes;
         for (i, &b) in saved.iter().enumerate() {
-            if computed.iter().any(|&(o, l)| (o..o + l).contains(&i)) {
-                continue;
-            }
-            let fixed = !(self.wmask[i] | self.w1c[i]);
+            let c = computed_mask(i);
+            let guest = self.wmask[i] & !c;
+            let fixed = !(guest | c);
             if (b ^ self.defaults[i]) & fixed != 0 {
                 return Err(format!(
                     "config byte {i:#04x} is {b:#04x}, this function's read-only bits say {:#04x} (another device or layout)",
                     self.defaults[i]
                 ));
             }
+            next[i] = (b & guest) | (self.defaults[i] & fixed) | (self.bytes[i] & c);
         }
-        self.bytes = saved;
+        self.bytes = next;
         Ok(())
     }
 

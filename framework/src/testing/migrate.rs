@@ -21,7 +21,8 @@
 //!    the source ([`Migration::converged`] says when the options would stop): copies the
 //!    RAM pages dirtied since the last pass (the device's DMA_LOGGING_REPORT ∪ the CPU
 //!    log), then reads one PRE_COPY round (MIG_DATA_READ of the transfer size until a short
-//!    read) and writes it to the destination at once, so it is not part of the downtime.
+//!    read; the first round's data begins with the stream's `Start` frame) and writes it to
+//!    the destination at once, so it is not part of the downtime.
 //! 3. [`Migration::stop_copy`]: the source leaves RUNNING (→ STOP_COPY; the guest must not
 //!    run from here on), the last RAM pass (everything dirtied since, now final), DMA
 //!    logging stopped, the STOP_COPY data read and written, destination RESUMING → STOP
@@ -127,9 +128,6 @@ impl RoundReport {
 pub struct MigrationReport {
     /// PRE_COPY was used (offered by the device and asked for).
     pub pre_copy: bool,
-    /// PRE_COPY bytes read on entering PRE_COPY, before the first round (the stream's
-    /// head).
-    pub head_bytes: u64,
     /// Guest RAM pages of the first, whole copy.
     pub initial_ram_pages: u64,
     /// The rounds while the guest ran.
@@ -151,9 +149,8 @@ impl fmt::Display for MigrationReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "PRE_COPY {} (head {} bytes); first RAM copy {} pages",
+            "PRE_COPY {}; first RAM copy {} pages",
             if self.pre_copy { "on" } else { "off" },
-            self.head_bytes,
             self.initial_ram_pages
         )?;
         for (i, r) in self.rounds.iter().enumerate() {
@@ -357,13 +354,8 @@ impl Migration {
             if pre_copy {
                 src.set_mig_state(MigState::PreCopy)
                     .map_err(step(Side::Source, "RUNNING -> PRE_COPY"))?;
-                // The stream's head (what the first read returns before any chunk).
-                let head = src
-                    .mig_read_all()
-                    .map_err(step(Side::Source, "MIG_DATA_READ (PRE_COPY head)"))?;
-                dst.mig_write_all(&head)
-                    .map_err(step(Side::Destination, "MIG_DATA_WRITE (PRE_COPY head)"))?;
-                m.report.head_bytes = head.len() as u64;
+                // Nothing is read yet: the first round's first read carries the stream's
+                // start and the device's first chunk.
             }
             m.report.initial_ram_pages = m.copy_all()?;
             Ok(())

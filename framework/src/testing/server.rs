@@ -98,6 +98,11 @@ impl<D: Device> Migrate for SharedDevice<D> {
             .migration()
             .map_or_else(MigrationCaps::default, |m| m.caps())
     }
+    fn max_state_size(&self) -> u64 {
+        lock(&self.0)
+            .migration()
+            .map_or(crate::migration::DEFAULT_MAX_STATE, |m| m.max_state_size())
+    }
     fn stop(&mut self) -> Result<(), MigrationError> {
         with_migration(&self.0, |m| m.stop())
     }

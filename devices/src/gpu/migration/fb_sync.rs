@@ -99,15 +99,6 @@ pub fn all_pages(fb: &Framebuffer) -> Vec<Page> {
         .collect()
 }
 
-/// Write `pages` (checked against this framebuffer) into `fb`.
-pub fn apply(fb: &Framebuffer, pages: &[Page]) {
-    let mut bytes = vec![0u8; FB_PAGE];
-    for p in pages {
-        p.decode_into(&mut bytes);
-        fb.write(p.index as usize * FB_PAGE, &bytes);
-    }
-}
-
 /// The destination side of PRE_COPY: the chunks loaded so far.
 #[derive(Debug, Default)]
 pub struct Incoming {

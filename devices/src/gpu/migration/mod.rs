@@ -40,7 +40,7 @@
 mod fb_sync;
 pub mod wire;
 
-use umdev::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
+use umdev::migration::{encode_state, Migrate, MigrationCaps, MigrationError};
 use umdev::pci::PciDevice;
 
 use super::gtt::{self, lock};
@@ -48,8 +48,7 @@ use super::worker::{Hold, Worker};
 use super::Gpu;
 use fb_sync::{Incoming, Outgoing};
 use wire::{
-    ChunkV1, FbPartV1, StateV1, PRECOPY_FORMAT, PRECOPY_VERSION, PRECOPY_VERSION_MIN, STATE_FORMAT,
-    STATE_VERSION, STATE_VERSION_MIN,
+    ChunkV1, FbPartV1, StateV1, PRECOPY_FORMAT, PRECOPY_VERSION, STATE_FORMAT, STATE_VERSION,
 };
 
 /// The GPU's migration state (owned by the device, touched on the connection thread only).
@@ -84,9 +83,9 @@ impl Gpu {
     }
 
     fn load_state(&mut self, state: &[u8]) -> Result<(), MigrationError> {
-        let (_, s): (u32, StateV1) =
-            decode_state(STATE_FORMAT, STATE_VERSION_MIN, STATE_VERSION, state)?;
-        let complete = s.check(self.fb_size)?;
+        let (s, pages) = wire::decode_state_v1(state, self.fb_size)?;
+        s.check_regs(self.fb_size)?;
+        let complete = pages.check(self.fb_size)?;
         let base = s.fb.precopy_chunks;
         if base == 0 && !complete {
             return Err(MigrationError::Malformed {
@@ -113,11 +112,11 @@ impl Gpu {
             pfns
         };
         gtt::release(self.dma.as_ref(), &pfns);
-        fb_sync::apply(&self.shared.fb, &s.fb.pages);
+        pages.apply(&self.shared.fb);
         self.shared.idle.notify_all();
         drop(hold);
         tracing::info!(
-            pages = s.fb.pages.len(),
+            pages = pages.len(),
             precopy_chunks = base,
             head = s.ring.head,
             tail = s.ring.tail,
@@ -130,6 +129,11 @@ impl Gpu {
 impl Migrate for Gpu {
     fn caps(&self) -> MigrationCaps {
         MigrationCaps { pre_copy: true }
+    }
+
+    /// The largest state or chunk of this GPU's framebuffer size (every page sent whole).
+    fn max_state_size(&self) -> u64 {
+        wire::max_encoded_size(self.fb_size)
     }
 
     fn stop(&mut self) -> Result<(), MigrationError> {
@@ -215,28 +219,26 @@ impl Migrate for Gpu {
     }
 
     fn load_precopy(&mut self, chunk: &[u8]) -> Result<(), MigrationError> {
-        let checked =
-            decode_state::<ChunkV1>(PRECOPY_FORMAT, PRECOPY_VERSION_MIN, PRECOPY_VERSION, chunk)
-                .and_then(|(_, c)| {
-                    let complete = c.check(self.fb_size)?;
-                    let expected = self.mig.incoming.as_ref().map_or(0, |i| i.next);
-                    match c.seq {
-                        0 if !complete => Err(MigrationError::Malformed {
-                            format: PRECOPY_FORMAT.to_owned(),
-                            why: "the first PRE_COPY chunk does not hold every page".into(),
-                        }),
-                        0 => Ok(c),
-                        seq if seq == expected => Ok(c),
-                        seq => Err(MigrationError::Incompatible(format!(
-                            "PRE_COPY chunk {seq} arrived, chunk {expected} was expected"
-                        ))),
-                    }
-                });
+        let checked = wire::decode_chunk_v1(chunk, self.fb_size).and_then(|(seq, pages)| {
+            let complete = pages.check(self.fb_size)?;
+            let expected = self.mig.incoming.as_ref().map_or(0, |i| i.next);
+            match seq {
+                0 if !complete => Err(MigrationError::Malformed {
+                    format: PRECOPY_FORMAT.to_owned(),
+                    why: "the first PRE_COPY chunk does not hold every page".into(),
+                }),
+                0 => Ok((seq, pages)),
+                seq if seq == expected => Ok((seq, pages)),
+                seq => Err(MigrationError::Incompatible(format!(
+                    "PRE_COPY chunk {seq} arrived, chunk {expected} was expected"
+                ))),
+            }
+        });
         match checked {
-            Ok(c) => {
-                fb_sync::apply(&self.shared.fb, &c.pages);
+            Ok((seq, pages)) => {
+                pages.apply(&self.shared.fb);
                 self.mig.incoming = Some(Incoming {
-                    next: c.seq.saturating_add(1),
+                    next: seq.saturating_add(1),
                 });
                 Ok(())
             }

@@ -9,6 +9,14 @@
 //! - [`STATE_FORMAT`] version 1 ([`StateV1`]): the whole device state, saved in STOP_COPY.
 //! - [`PRECOPY_FORMAT`] version 1 ([`ChunkV1`]): one PRE_COPY chunk of framebuffer pages.
 //!
+//! **Reading** goes field by field with a [`Decoder`] ([`decode_state_v1`],
+//! [`decode_chunk_v1`]): the registers and GTT are small (the GTT's length is checked
+//! against [`GTT_ENTRIES`] before it is read), and the pages are never collected: [`Pages`]
+//! checks the declared count against the framebuffer's page count, then walks the pages in
+//! the frame twice, once to check them (inside the framebuffer, each at most once, whole),
+//! once to write them, their bytes borrowed from the frame. So loading holds nothing the
+//! size of the data but the frame itself.
+//!
 //! A change to either layout is a new version (a new `…V2` type next to the old one, which
 //! the destination keeps reading as long as it can); the range a build reads is
 //! `STATE_VERSION_MIN..=STATE_VERSION` and likewise for PRE_COPY.
@@ -17,9 +25,9 @@ use std::fmt;
 
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
-use umdev::migration::MigrationError;
+use umdev::migration::{Decoder, MigrationError};
 
-use super::super::framebuffer::FB_PAGE;
+use super::super::framebuffer::{Framebuffer, FB_PAGE};
 use super::super::regs::{Mode, Regs, RingRegs, GTT_ENTRIES, IRQ_ALL};
 
 /// Name of the GPU's state format.
@@ -229,29 +237,217 @@ fn check_fb_size(found: u64, fb_size: u64) -> Result<(), MigrationError> {
     }
 }
 
-/// Check `pages` against a framebuffer of `fb_size` bytes (`format` names the stream in
-/// errors); returns true if they cover every page.
-pub fn check_pages(format: &str, pages: &[Page], fb_size: u64) -> Result<bool, MigrationError> {
-    let count = fb_size as usize / FB_PAGE;
-    let mut seen = vec![false; count];
-    for p in pages {
-        let Some(slot) = seen.get_mut(p.index as usize) else {
+/// Upper bound of the encoded [`StateV1`] or [`ChunkV1`] of a GPU with `fb_size` bytes of
+/// framebuffer: its [`Migrate::max_state_size`](umdev::migration::Migrate::max_state_size).
+/// Every page at its largest (index varint, variant, length varint, [`FB_PAGE`] bytes),
+/// the GTT at ten bytes an entry, 256 bytes for the header and registers.
+pub fn max_encoded_size(fb_size: u64) -> u64 {
+    const PAGE: u64 = 5 + 1 + 3 + FB_PAGE as u64;
+    let pages = fb_size / FB_PAGE as u64;
+    256 + 5 + u64::from(GTT_ENTRIES) * 10 + 5 + 10 + pages * PAGE
+}
+
+/// A page as read from a frame: its bytes borrowed (the wire form of [`Page`]).
+#[derive(Debug, Deserialize)]
+pub struct PageRef<'a> {
+    /// Page number.
+    pub index: u32,
+    /// Its contents.
+    #[serde(borrow)]
+    pub data: PageDataRef<'a>,
+}
+
+/// The contents of a [`PageRef`] (the wire form of [`PageData`]).
+#[derive(Debug, Deserialize)]
+pub enum PageDataRef<'a> {
+    /// Every 32-bit word of the page is this value.
+    Solid(u32),
+    /// The page's bytes.
+    Bytes(&'a [u8]),
+}
+
+/// The pages of a frame, not decoded yet (see the module doc).
+#[derive(Debug, Clone)]
+pub struct Pages<'a> {
+    format: &'static str,
+    count: usize,
+    /// Positioned at the first page; the pages are the last field of their value.
+    at: Decoder<'a>,
+}
+
+impl<'a> Pages<'a> {
+    /// The pages that follow in `d`, for a framebuffer of `fb_size` bytes: a declared count
+    /// over its page count (each page at most once) or over what the bytes can hold is
+    /// refused here.
+    fn read(
+        format: &'static str,
+        d: &mut Decoder<'a>,
+        fb_size: u64,
+    ) -> Result<Pages<'a>, MigrationError> {
+        let count = d.seq_len(fb_size as usize / FB_PAGE, 3)?;
+        Ok(Pages {
+            format,
+            count,
+            at: d.clone(),
+        })
+    }
+
+    /// Number of pages.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// True if there are none.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    fn each(
+        &self,
+        mut f: impl FnMut(PageRef<'a>) -> Result<(), MigrationError>,
+    ) -> Result<(), MigrationError> {
+        let mut d = self.at.clone();
+        for _ in 0..self.count {
+            f(d.value()?)?;
+        }
+        d.finish()
+    }
+
+    /// Check every page against a framebuffer of `fb_size` bytes (inside it, at most once,
+    /// byte pages whole; nothing after the last page); returns true if they cover every
+    /// page. Nothing is allocated but one bit per framebuffer page.
+    pub fn check(&self, fb_size: u64) -> Result<bool, MigrationError> {
+        let count = fb_size as usize / FB_PAGE;
+        let mut seen = vec![false; count];
+        let format = self.format;
+        self.each(|p| check_page(format, &mut seen, p.index, &p.data))?;
+        Ok(seen.iter().all(|&s| s))
+    }
+
+    /// Write the pages (checked with [`Pages::check`]) into `fb`.
+    pub fn apply(&self, fb: &Framebuffer) {
+        let mut solid = vec![0u8; FB_PAGE];
+        let r = self.each(|p| {
+            let at = p.index as usize * FB_PAGE;
+            match p.data {
+                PageDataRef::Solid(v) => {
+                    for w in solid.chunks_exact_mut(4) {
+                        w.copy_from_slice(&v.to_le_bytes());
+                    }
+                    fb.write(at, &solid);
+                }
+                PageDataRef::Bytes(b) => {
+                    fb.write(at, b);
+                }
+            }
+            Ok(())
+        });
+        debug_assert!(r.is_ok(), "pages applied unchecked: {r:?}");
+    }
+}
+
+fn check_page(
+    format: &str,
+    seen: &mut [bool],
+    index: u32,
+    data: &PageDataRef<'_>,
+) -> Result<(), MigrationError> {
+    let count = seen.len();
+    let Some(slot) = seen.get_mut(index as usize) else {
+        return Err(malformed(
+            format,
+            format!("page {index} is past the framebuffer's {count} pages"),
+        ));
+    };
+    if *slot {
+        return Err(malformed(format, format!("page {index} appears twice")));
+    }
+    if let PageDataRef::Bytes(b) = data {
+        if b.len() != FB_PAGE {
             return Err(malformed(
                 format,
-                format!("page {} is past the framebuffer's {count} pages", p.index),
+                format!("page {index} has {} bytes, not {FB_PAGE}", b.len()),
             ));
-        };
-        if let PageData::Bytes(b) = &p.data {
-            if b.0.len() != FB_PAGE {
-                return Err(malformed(
-                    format,
-                    format!("page {} has {} bytes, not {FB_PAGE}", p.index, b.0.len()),
-                ));
-            }
         }
-        *slot = true;
+    }
+    *slot = true;
+    Ok(())
+}
+
+/// Check `pages` against a framebuffer of `fb_size` bytes (`format` names the stream in
+/// errors), as [`Pages::check`] does for pages read from a frame; returns true if they
+/// cover every page.
+pub fn check_pages(format: &str, pages: &[Page], fb_size: u64) -> Result<bool, MigrationError> {
+    let mut seen = vec![false; fb_size as usize / FB_PAGE];
+    for p in pages {
+        let data = match &p.data {
+            PageData::Solid(v) => PageDataRef::Solid(*v),
+            PageData::Bytes(b) => PageDataRef::Bytes(&b.0),
+        };
+        check_page(format, &mut seen, p.index, &data)?;
     }
     Ok(seen.iter().all(|&s| s))
+}
+
+/// Read a [`StateV1`] of a GPU with `fb_size` bytes of framebuffer: everything but the
+/// pages (the returned state's are empty), and the pages, unchecked (check the state with
+/// [`StateV1::check_regs`], the pages with [`Pages::check`]). A state of another
+/// framebuffer size is refused before its registers are read.
+pub fn decode_state_v1(bytes: &[u8], fb_size: u64) -> Result<(StateV1, Pages<'_>), MigrationError> {
+    let (_, mut d) = Decoder::new(STATE_FORMAT, STATE_VERSION_MIN, STATE_VERSION, bytes)?;
+    let found: u64 = d.value()?;
+    check_fb_size(found, fb_size)?;
+    let mode = d.value()?;
+    let ring = d.value()?;
+    let mut regs = [0u32; 8];
+    for r in &mut regs {
+        *r = d.value()?;
+    }
+    let entries = d.seq_len(usize::MAX, 1)?;
+    if entries != GTT_ENTRIES as usize {
+        return Err(malformed(
+            STATE_FORMAT,
+            format!("{entries} GTT entries, the GPU has {GTT_ENTRIES}"),
+        ));
+    }
+    let gtt = (0..entries)
+        .map(|_| d.value())
+        .collect::<Result<Vec<u64>, _>>()?;
+    let precopy_chunks = d.value()?;
+    let pages = Pages::read(STATE_FORMAT, &mut d, fb_size)?;
+    let [irq_status, irq_enable, error_code, error_info, error_count, fence, gtt_inval_start, gtt_inval_count] =
+        regs;
+    let state = StateV1 {
+        fb_size: found,
+        mode,
+        ring,
+        irq_status,
+        irq_enable,
+        error_code,
+        error_info,
+        error_count,
+        fence,
+        gtt_inval_start,
+        gtt_inval_count,
+        gtt,
+        fb: FbPartV1 {
+            precopy_chunks,
+            pages: Vec::new(),
+        },
+    };
+    Ok((state, pages))
+}
+
+/// Read a [`ChunkV1`] of a GPU with `fb_size` bytes of framebuffer: its sequence number and
+/// its pages, unchecked ([`Pages::check`]). A chunk of another framebuffer size is refused
+/// before its pages are looked at.
+pub fn decode_chunk_v1(bytes: &[u8], fb_size: u64) -> Result<(u32, Pages<'_>), MigrationError> {
+    let (_, mut d) = Decoder::new(PRECOPY_FORMAT, PRECOPY_VERSION_MIN, PRECOPY_VERSION, bytes)?;
+    let found: u64 = d.value()?;
+    check_fb_size(found, fb_size)?;
+    let seq = d.value()?;
+    let pages = Pages::read(PRECOPY_FORMAT, &mut d, fb_size)?;
+    Ok((seq, pages))
 }
 
 impl ChunkV1 {
@@ -320,11 +516,17 @@ impl StateV1 {
     }
 
     /// Check that the state is one a GPU with `fb_size` bytes of framebuffer can be in
-    /// (the invariants the register writes keep: an enabled mode or ring is valid, head
-    /// and tail are dword offsets inside an enabled ring and 0 otherwise, only defined
-    /// interrupt bits, one entry per GTT slot, pages inside the framebuffer). Returns true
-    /// if the framebuffer part covers every page.
+    /// ([`StateV1::check_regs`], and pages inside the framebuffer, each at most once).
+    /// Returns true if the framebuffer part covers every page.
     pub fn check(&self, fb_size: u64) -> Result<bool, MigrationError> {
+        self.check_regs(fb_size)?;
+        check_pages(STATE_FORMAT, &self.fb.pages, fb_size)
+    }
+
+    /// Check everything but the pages: the invariants the register writes keep (an enabled
+    /// mode or ring is valid, head and tail are dword offsets inside an enabled ring and 0
+    /// otherwise, only defined interrupt bits) and one entry per GTT slot.
+    pub fn check_regs(&self, fb_size: u64) -> Result<(), MigrationError> {
         let bad = |why: String| Err(malformed(STATE_FORMAT, why));
         check_fb_size(self.fb_size, fb_size)?;
         let mode = self.mode();
@@ -353,7 +555,7 @@ impl StateV1 {
                 self.gtt.len()
             ));
         }
-        check_pages(STATE_FORMAT, &self.fb.pages, fb_size)
+        Ok(())
     }
 
     /// Write the registers of the state into `regs` (checked first with
@@ -467,5 +669,98 @@ mod tests {
             ok.check(fb_size * 2),
             Err(MigrationError::Incompatible(_))
         ));
+    }
+
+    fn noisy_page(index: usize) -> Page {
+        let bytes: Vec<u8> = (0..FB_PAGE)
+            .map(|i| (i * 31 + index * 7 + 1) as u8)
+            .collect();
+        Page::encode(index, &bytes)
+    }
+
+    #[test]
+    fn test_max_encoded_size_bounds_the_largest_state_and_fits_a_2_gib_type_in_a_frame() {
+        let fb_size = 1 << 20;
+        let pages: Vec<Page> = (0..fb_size as usize / FB_PAGE).map(noisy_page).collect();
+        let regs = Regs::default();
+        let gtt = vec![u64::MAX; GTT_ENTRIES as usize];
+        let mut state = StateV1::capture(
+            &regs,
+            &gtt,
+            fb_size,
+            FbPartV1 {
+                precopy_chunks: u32::MAX,
+                pages: pages.clone(),
+            },
+        );
+        state.mode.width = u32::MAX;
+        state.ring.base = u64::MAX;
+        let bytes = umdev::migration::encode_state(STATE_FORMAT, u32::MAX, &state).unwrap();
+        assert!(bytes.len() as u64 <= max_encoded_size(fb_size));
+        let chunk = ChunkV1 {
+            fb_size,
+            seq: u32::MAX,
+            pages,
+        };
+        let bytes = umdev::migration::encode_state(PRECOPY_FORMAT, u32::MAX, &chunk).unwrap();
+        assert!(bytes.len() as u64 <= max_encoded_size(fb_size));
+        // The largest type (2 GiB) fits a frame (the head's length is a u32), so its
+        // STOP_COPY is not refused for its size.
+        assert!(max_encoded_size(2 << 30) <= umdev::migration::stream::MAX_FRAME as u64);
+        assert!(
+            max_encoded_size(2 << 30) < (2 << 30) + (2 << 30) / 100,
+            "a tight bound"
+        );
+    }
+
+    #[test]
+    fn test_check_pages_duplicate_index_refused() {
+        let fb_size = 64 * 1024;
+        let twice = [noisy_page(3), noisy_page(3)];
+        let e = check_pages("f", &twice, fb_size).unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn test_decode_state_v1_reads_what_serde_wrote_and_checks_pages_in_the_frame() {
+        let fb_size = 64 * 1024;
+        let regs = Regs {
+            fence: 77,
+            ..Regs::default()
+        };
+        let gtt: Vec<u64> = (0..u64::from(GTT_ENTRIES)).collect();
+        let pages = vec![noisy_page(2), noisy_page(0)];
+        let state = StateV1::capture(
+            &regs,
+            &gtt,
+            fb_size,
+            FbPartV1 {
+                precopy_chunks: 3,
+                pages: pages.clone(),
+            },
+        );
+        let bytes = umdev::migration::encode_state(STATE_FORMAT, STATE_VERSION, &state).unwrap();
+        let (back, view) = decode_state_v1(&bytes, fb_size).unwrap();
+        let mut expected = state.clone();
+        expected.fb.pages.clear();
+        assert_eq!(back, expected);
+        assert_eq!(view.len(), 2);
+        assert_eq!(view.check(fb_size).ok(), Some(false));
+        // Another framebuffer size: refused before the pages.
+        assert!(matches!(
+            decode_state_v1(&bytes, fb_size * 2),
+            Err(MigrationError::Incompatible(_))
+        ));
+        // The same page twice: refused by the check, before anything is applied.
+        let mut dup = state.clone();
+        dup.fb.pages = vec![noisy_page(1), noisy_page(1)];
+        let bytes = umdev::migration::encode_state(STATE_FORMAT, STATE_VERSION, &dup).unwrap();
+        let (_, view) = decode_state_v1(&bytes, fb_size).unwrap();
+        assert!(view.check(fb_size).is_err());
+        // More pages declared than the framebuffer has: refused before any is read.
+        let mut many = state;
+        many.fb.pages = (0..17).map(|i| noisy_page(i % 16)).collect();
+        let bytes = umdev::migration::encode_state(STATE_FORMAT, STATE_VERSION, &many).unwrap();
+        assert!(decode_state_v1(&bytes, fb_size).is_err());
     }
 }

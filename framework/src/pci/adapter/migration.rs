@@ -13,7 +13,10 @@
 //! (format `umdev-pci-function`, version 1, [`FunctionStateV1`]): first the PCI section,
 //! then the device's section, each a versioned [`encode_state`] of its own.
 //!
-//! Loading checks everything before changing anything: the function format and version,
+//! Loading decodes both sections borrowed from the frame and the PCI section field by field
+//! within this function's sizes (256 config bytes, its MSI-X vector count: a longer
+//! declared length is refused before anything is allocated), and checks everything before
+//! changing anything: the function format and version,
 //! the PCI section's format and version, and that the PCI state fits this function (the
 //! read-only bits of config space equal this function's, the MSI-X table and bitmaps have
 //! this function's vector count). Only then does the device load its section; only if that
@@ -24,8 +27,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{BmeCause, PciAdapter};
-use crate::migration::{decode_state, encode_state, Migrate, MigrationCaps, MigrationError};
-use crate::pci::config_space::reg;
+use crate::migration::{encode_state, Decoder, Migrate, MigrationCaps, MigrationError};
+use crate::pci::config_space::{reg, status, CONFIG_SIZE};
 use crate::pci::PciDevice;
 
 /// Format of the blob the adapter saves.
@@ -55,6 +58,9 @@ struct PciStateV1 {
     intx_level: bool,
 }
 
+/// Framing of the function blob around its two sections (header, two lengths).
+const FUNCTION_OVERHEAD: u64 = 64;
+
 fn incompatible(why: String) -> MigrationError {
     MigrationError::Incompatible(format!("PCI state does not fit this function: {why}"))
 }
@@ -81,13 +87,72 @@ impl<D: PciDevice> PciAdapter<D> {
         }
     }
 
-    /// Config ranges whose values the adapter computes (not compared on load).
-    fn computed_ranges(&self) -> Vec<(usize, usize)> {
-        let mut r = vec![(reg::STATUS, 2)];
+    /// Config bits whose values the adapter computes before every read (offset, mask):
+    /// neither compared nor taken on load.
+    fn computed_ranges(&self) -> Vec<(usize, u32)> {
+        let mut r = vec![(reg::STATUS, u32::from(status::INTERRUPT))];
         if let Some(cap) = self.caps.msi {
-            r.push(cap.pending_range());
+            let (offset, len) = cap.pending_range();
+            debug_assert_eq!(len, 4);
+            r.push((offset, u32::MAX));
         }
         r
+    }
+
+    fn msix_vectors(&self) -> usize {
+        self.msix_table.as_ref().map_or(0, |t| t.entries().len())
+    }
+
+    /// Upper bound of the encoded PCI section of this function: header, 256 config bytes,
+    /// the MSI-X table (three varint u32 per vector) and bitmaps (varint u64 per 64
+    /// vectors), the MSI pending word, the INTx level, each length a varint.
+    fn max_pci_section(&self) -> u64 {
+        let vectors = self.msix_vectors() as u64;
+        let words = vectors.div_ceil(64);
+        64 + 5 + CONFIG_SIZE as u64 + 5 + vectors * 15 + 2 * (5 + words * 10) + 10 + 1
+    }
+
+    /// Decode a PCI section within this function's sizes: every declared length is checked
+    /// against this function's before anything is allocated for it.
+    fn decode_pci_state(&self, bytes: &[u8]) -> Result<PciStateV1, MigrationError> {
+        let (_, mut d) = Decoder::new(PCI_FORMAT, 1, PCI_VERSION, bytes)?;
+        let config = d.bytes()?;
+        if config.len() != CONFIG_SIZE {
+            return Err(incompatible(format!(
+                "config space of {} bytes, this function has {CONFIG_SIZE}",
+                config.len()
+            )));
+        }
+        let vectors = self.msix_vectors();
+        let n = d.seq_len(usize::MAX, 3)?;
+        if n != vectors {
+            return Err(incompatible(format!(
+                "MSI-X table of {n} vectors, this function has {vectors}"
+            )));
+        }
+        let msix_table = (0..n).map(|_| d.value()).collect::<Result<_, _>>()?;
+        let words = vectors.div_ceil(64);
+        let mut bitmap = |what: &str| -> Result<Vec<u64>, MigrationError> {
+            let n = d.seq_len(usize::MAX, 1)?;
+            if n != words {
+                return Err(incompatible(format!(
+                    "MSI-X {what} bitmap of {n} words, this function has {words}"
+                )));
+            }
+            (0..n).map(|_| d.value()).collect()
+        };
+        let msix_guest_mask = bitmap("mask")?;
+        let msix_pending = bitmap("pending")?;
+        let st = PciStateV1 {
+            config: config.to_vec(),
+            msix_table,
+            msix_guest_mask,
+            msix_pending,
+            msi_pending: d.value()?,
+            intx_level: d.value()?,
+        };
+        d.finish()?;
+        Ok(st)
     }
 
     /// Everything [`Self::apply_pci_state`] would refuse, refused without changing anything.
@@ -179,12 +244,24 @@ impl<D: PciDevice> Migrate for PciAdapter<D> {
         )
     }
 
+    /// The device's own limit plus the PCI section of this function (its MSI-X vector
+    /// count fixes its size) and the framing around both.
+    fn max_state_size(&self) -> u64 {
+        self.mig_max_state
+            .saturating_add(self.max_pci_section())
+            .saturating_add(FUNCTION_OVERHEAD)
+    }
+
     fn load(&mut self, state: &[u8]) -> Result<(), MigrationError> {
-        let (_, f): (u32, FunctionStateV1) =
-            decode_state(FUNCTION_FORMAT, 1, FUNCTION_VERSION, state)?;
-        let (_, pci): (u32, PciStateV1) = decode_state(PCI_FORMAT, 1, PCI_VERSION, &f.pci)?;
+        // Both sections are borrowed out of the frame, the PCI one decoded within this
+        // function's sizes (no copy, nothing allocated from a declared length).
+        let (_, mut f) = Decoder::new(FUNCTION_FORMAT, 1, FUNCTION_VERSION, state)?;
+        let pci = f.bytes()?;
+        let device = f.bytes()?;
+        f.finish()?;
+        let pci = self.decode_pci_state(pci)?;
         self.check_pci_state(&pci)?;
-        self.device_migration()?.load(&f.device)?;
+        self.device_migration()?.load(device)?;
         self.apply_pci_state(&pci)
     }
 
@@ -201,6 +278,7 @@ impl<D: PciDevice> Migrate for PciAdapter<D> {
 mod tests {
     use super::*;
     use crate::device::Device;
+    use crate::migration::decode_state;
     use crate::pci::{BarKind, BarSpec, MsixSpec, PciConfig};
 
     /// Registers only; migrates them.
@@ -329,5 +407,51 @@ mod tests {
         let mut r = [0u8; 4];
         other.region_read(0, 0, &mut r).unwrap();
         assert_eq!(u32::from_le_bytes(r), 9, "the device was not loaded");
+    }
+
+    /// `blob` with its PCI section's config space changed by `edit`.
+    fn with_config(blob: &[u8], edit: impl FnOnce(&mut [u8])) -> Vec<u8> {
+        let (_, f): (u32, FunctionStateV1) =
+            decode_state(FUNCTION_FORMAT, 1, FUNCTION_VERSION, blob).unwrap();
+        let (_, mut pci): (u32, PciStateV1) =
+            decode_state(PCI_FORMAT, 1, PCI_VERSION, &f.pci).unwrap();
+        edit(&mut pci.config);
+        let pci = encode_state(PCI_FORMAT, PCI_VERSION, &pci).unwrap();
+        encode_state(
+            FUNCTION_FORMAT,
+            FUNCTION_VERSION,
+            &FunctionStateV1 {
+                pci,
+                device: f.device,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn test_pci_state_status_read_only_bits_changed_refused_and_status_kept() {
+        let mut src = adapter(1);
+        let blob = src.save().unwrap();
+        let mut dst = adapter(1);
+        let before = cfg_read(&mut dst, 0x06, 2);
+        assert_eq!(
+            u16::from_le_bytes([before[0], before[1]]) & status::CAP_LIST,
+            status::CAP_LIST
+        );
+        // The stream of the issue: Capabilities List cleared, DEVSEL timing and 66 MHz set.
+        let bad = with_config(&blob, |c| {
+            c[0x06..0x08].copy_from_slice(&0x0220u16.to_le_bytes())
+        });
+        let e = dst.load(&bad).unwrap_err();
+        assert!(matches!(e, MigrationError::Incompatible(_)), "{e}");
+        assert_eq!(cfg_read(&mut dst, 0x06, 2), before, "STATUS unchanged");
+        // A W1C error bit this function never sets: refused too.
+        let bad = with_config(&blob, |c| c[0x07] |= 0x80);
+        assert!(dst.load(&bad).is_err());
+        // The computed interrupt bit is neither compared nor taken: it follows the INTx
+        // state that came with the stream (none here).
+        let ok = with_config(&blob, |c| c[0x06] |= status::INTERRUPT as u8);
+        dst.load(&ok).unwrap();
+        assert_eq!(cfg_read(&mut dst, 0x06, 2), before);
     }
 }
