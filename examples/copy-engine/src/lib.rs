@@ -2,6 +2,8 @@
 //! into BAR0 and rings GO; a worker pins the source pages readable and the destination pages
 //! writable, copies between the two pinned arrays (any page offsets), and raises MSI-X
 //! vector 0. STATUS counts completed copies, ERROR holds the errno of the last failure.
+//! With Bus Master off the copy is refused (EACCES) and no MSI-X goes out (an MSI-X
+//! message is a bus-master write): the driver polls ERROR.
 //!
 //! BAR0 (16 KiB): registers in the first page, the MSI-X table and PBA (the framework's) in
 //! pages of their own.
