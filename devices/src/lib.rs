@@ -37,7 +37,7 @@
 //!   harness (BAR0 as the GPU driver's register access, guest memory as its RAM, a ccw
 //!   program's round trip).
 //!
-//! Both are complete examples of what `umdev`'s guide (`docs/writing-a-device.md`)
+//! Both are complete examples of what `umdev`'s guide (`framework/docs/writing-a-device.md`)
 //! describes: DMA on worker threads, pins dropped in the unmap notifier, reset that quiesces
 //! the worker first, device state kept across a disconnect. Each module's documentation
 //! says how.

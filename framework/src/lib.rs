@@ -42,7 +42,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! [`guide`] (`docs/writing-a-device.md`) goes from there to a device with a worker
+//! [`guide`] (`framework/docs/writing-a-device.md`) goes from there to a device with a worker
 //! thread, pinned page arrays, interrupts, unmap, reset and disconnect, and running under
 //! QEMU; `examples/hello.rs` is the template to copy.
 //!
@@ -65,7 +65,7 @@ pub mod dma;
 // The guide's examples use the test harness; the module holds only documentation. Without
 // the `testing` feature it is still documented (`cfg(doc)`), its examples just are not run.
 #[cfg(any(doc, feature = "testing"))]
-#[doc = include_str!("../../docs/writing-a-device.md")]
+#[doc = include_str!("../docs/writing-a-device.md")]
 pub mod guide {}
 pub mod instance;
 pub mod irq;
