@@ -43,6 +43,7 @@ mod paths;
 mod protocol;
 mod render;
 mod service;
+mod systemd;
 mod table;
 
 use std::fs::{File, OpenOptions};
@@ -52,6 +53,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sd_notify::NotifyState;
 use tracing::{info, warn};
 use umdev::instance::{InstanceError, Parent, Registry, RegistryConfig};
 use umdev::server::listener::SocketListener;
@@ -202,6 +204,8 @@ enum DaemonError {
     Store(#[from] definitions::StoreError),
     #[error("starting the control server")]
     Spawn(#[source] std::io::Error),
+    #[error(transparent)]
+    Activation(#[from] systemd::ActivationError),
     #[error("{0} instance(s) could not be stopped (a device stuck in a call; see the log)")]
     NotStopped(usize),
 }
@@ -240,7 +244,10 @@ fn lock_state_dir(dir: &Path) -> Result<File, DaemonError> {
 /// Entry point of `umdev daemon`.
 pub fn run(args: DaemonArgs) -> CliResult {
     // Before any thread starts, so that sigwait below gets them.
-    let signals = TerminationSignals::block();
+    let signals = TerminationSignals::block_with_hangup();
+    // SAFETY: no thread has been spawned yet (the signals are blocked first, the logger
+    // starts none), so clearing LISTEN_FDS/LISTEN_PID races nothing.
+    let inherited = unsafe { systemd::inherited_control() }?;
     let state_dir = args
         .state_dir
         .clone()
@@ -266,13 +273,20 @@ pub fn run(args: DaemonArgs) -> CliResult {
             .unwrap_or(control_path),
     };
     let _lock = lock_state_dir(&state_dir)?;
-    let listener = SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
-        ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
-        source => DaemonError::Control {
-            path: control_path.clone(),
-            source,
-        },
-    })?;
+    let listener = match inherited {
+        Some(l) => {
+            info!(control = %l.path().display(), "control socket passed by the service manager (socket activation)");
+            l
+        }
+        None => SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
+            ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
+            source => DaemonError::Control {
+                path: control_path.clone(),
+                source,
+            },
+        })?,
+    };
+    let control_path = listener.path().to_path_buf();
 
     let gpu_types = if args.gpu_types.is_empty() {
         GpuParentConfig::default().types
@@ -338,10 +352,34 @@ pub fn run(args: DaemonArgs) -> CliResult {
         state = %state_dir.display(),
         sockets = %socket_dir.display(),
         control = %control_path.display(),
-        "umdev daemon ready (SIGINT or SIGTERM stops it)"
+        "umdev daemon ready (SIGINT or SIGTERM stops it, SIGHUP reloads the definitions)"
     );
+    let status = |what: &str| {
+        format!(
+            "{what}: {} instances running; control socket {}",
+            service.running_count(),
+            control_path.display()
+        )
+    };
+    systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status("serving"))]);
 
-    let sig = signals.wait();
+    let sig = loop {
+        match signals.wait() {
+            libc::SIGHUP => {
+                systemd::notify_reloading();
+                service.reload();
+                systemd::notify(&[
+                    NotifyState::Ready,
+                    NotifyState::Status(&status("definitions reloaded")),
+                ]);
+            }
+            sig => break sig,
+        }
+    };
+    systemd::notify(&[
+        NotifyState::Stopping,
+        NotifyState::Status("stopping: every instance is stopped"),
+    ]);
     info!(signal = sig, "stopping: no more control requests");
     // A request in hand may be a removal waiting for its client.
     let drain = args.release_timeout + teardown + Duration::from_secs(1);

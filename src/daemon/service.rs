@@ -33,6 +33,8 @@
 //!   `start` can fail with `exhausted`; an autostart that fails is logged and reported by
 //!   `list --defined` until the instance starts.
 
+mod reload;
+
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -1085,6 +1087,11 @@ impl Service {
             stopped,
             undefined,
         }))
+    }
+
+    /// How many instances run.
+    pub fn running_count(&self) -> usize {
+        self.registry.instances().len()
     }
 
     /// Stop every running instance (the daemon is stopping); log what each released.
