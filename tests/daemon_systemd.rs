@@ -47,8 +47,8 @@ fn unit(name: &str) -> String {
 /// The value of `key=` in a unit's text (the last one, as systemd takes it).
 fn setting<'a>(text: &'a str, key: &str) -> Option<&'a str> {
     text.lines()
-        .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
-        .last()
+        .rev()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
 }
 
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
