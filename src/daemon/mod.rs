@@ -19,13 +19,16 @@
 //! user and not be writable by others ([`paths`]).
 //!
 //! # Lifecycle of the process
-//! 1. Block SIGINT/SIGTERM (before any thread starts); check the directories; take the
+//! 1. Block SIGINT/SIGTERM/SIGHUP and take a socket-activated control socket, if one was
+//!    passed ([`systemd`]), before any thread starts; check the directories; take the
 //!    state directory's lock (a second daemon on it is refused); bind the control socket
-//!    (a live daemon's socket is never replaced).
+//!    unless one was passed (a live daemon's socket is never replaced).
 //! 2. Register the parents; load the definitions (a malformed file is logged, skipped, and
 //!    reported by `umdev list --defined`); start the autostart ones (a failure is logged and
 //!    reported the same way).
-//! 3. Answer control requests ([`service`] has what each does) until SIGINT or SIGTERM.
+//! 3. Tell the service manager `READY=1` ([`systemd`]); answer control requests
+//!    ([`service`] has what each does) until SIGINT or SIGTERM; on SIGHUP re-read the
+//!    definitions (`service::reload`: new autostart ones started, nothing running stopped).
 //! 4. Stop taking requests (the control socket is removed), wait a bounded time for the ones
 //!    in hand, then stop every instance at once: attached clients are disconnected without
 //!    the device-request IRQ (the daemon is going away, not the devices: a QEMU asked to
