@@ -243,7 +243,7 @@ fn test_daemon_notifies_ready_after_autostart_serves_reloading_and_stopping() {
     // READY=1 comes once the autostart instance serves and the control socket answers.
     let ready = got.last().unwrap();
     assert!(
-        ready.contains("STATUS=serving: 1 instances running"),
+        ready.contains("STATUS=serving; instances running: 1;"),
         "{got:?}"
     );
     let socket = d.sockets().join(format!("{UUID}.sock"));

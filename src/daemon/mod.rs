@@ -84,6 +84,9 @@ Then, from another shell:
   umdev list [--defined]
   umdev stop|start|undefine|remove UUID
 
+SIGINT/SIGTERM stop the daemon; SIGHUP re-reads the definitions (new autostart ones start).
+Under systemd: systemd/umdev.service and umdev.socket (socket activation, sd_notify).
+
 Each instance is one QEMU 10.1+ device:
   -device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"<socket-dir>/<uuid>.sock\"}}'")]
 pub struct DaemonArgs {
@@ -359,7 +362,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     );
     let status = |what: &str| {
         format!(
-            "{what}: {} instances running; control socket {}",
+            "{what}; instances running: {}; control socket {}",
             service.running_count(),
             control_path.display()
         )
