@@ -258,7 +258,9 @@ fn test_daemon_notifies_ready_after_autostart_serves_reloading_and_stopping() {
     assert!(got[0].lines().any(|l| l == "RELOADING=1"), "{got:?}");
     assert!(got[0].contains("MONOTONIC_USEC="), "{got:?}");
     assert!(
-        got.last().unwrap().contains("STATUS=definitions reloaded"),
+        got.last()
+            .unwrap()
+            .contains("STATUS=definitions reloaded (0 added, 0 changed, 0 removed, 0 started"),
         "{got:?}"
     );
 

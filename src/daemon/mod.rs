@@ -373,11 +373,20 @@ pub fn run(args: DaemonArgs) -> CliResult {
         match signals.wait() {
             libc::SIGHUP => {
                 systemd::notify_reloading();
-                service.reload();
-                systemd::notify(&[
-                    NotifyState::Ready,
-                    NotifyState::Status(&status("definitions reloaded")),
-                ]);
+                let what = match service.reload() {
+                    Some(r) => format!(
+                        "definitions reloaded ({} added, {} changed, {} removed, {} started, \
+                         {} failed to start, {} busy)",
+                        r.added.len(),
+                        r.changed.len(),
+                        r.removed.len(),
+                        r.started,
+                        r.failed,
+                        r.busy.len()
+                    ),
+                    None => "definitions not reloaded: the directory cannot be read".into(),
+                };
+                systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status(&what))]);
             }
             sig => break sig,
         }
