@@ -3,6 +3,7 @@
 mod daemon;
 mod demo;
 mod demo_migrate;
+mod logging;
 mod run;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -52,15 +53,7 @@ fn main() {
         Command::Bench(_) | Command::Instances(_) => "warn",
         Command::Run(_) | Command::Demo(_) | Command::Daemon(_) => "info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        // Colour codes only for a terminal: a log file or a pipe gets plain text.
-        .with_ansi(log_colours())
-        .init();
+    logging::init(default_level);
     let result: CliResult = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Demo(args) => demo::run(args),
@@ -77,12 +70,6 @@ fn main() {
         }
         std::process::exit(1);
     }
-}
-
-/// Colour log lines when stderr is a terminal and `NO_COLOR` is not set (no-color.org).
-fn log_colours() -> bool {
-    use std::io::IsTerminal;
-    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// Errors of the CLI: a message and an optional cause.

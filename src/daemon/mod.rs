@@ -19,13 +19,16 @@
 //! user and not be writable by others ([`paths`]).
 //!
 //! # Lifecycle of the process
-//! 1. Block SIGINT/SIGTERM (before any thread starts); check the directories; take the
+//! 1. Block SIGINT/SIGTERM/SIGHUP and take a socket-activated control socket, if one was
+//!    passed ([`systemd`]), before any thread starts; check the directories; take the
 //!    state directory's lock (a second daemon on it is refused); bind the control socket
-//!    (a live daemon's socket is never replaced).
+//!    unless one was passed (a live daemon's socket is never replaced).
 //! 2. Register the parents; load the definitions (a malformed file is logged, skipped, and
 //!    reported by `umdev list --defined`); start the autostart ones (a failure is logged and
 //!    reported the same way).
-//! 3. Answer control requests ([`service`] has what each does) until SIGINT or SIGTERM.
+//! 3. Tell the service manager `READY=1` ([`systemd`]); answer control requests
+//!    ([`service`] has what each does) until SIGINT or SIGTERM; on SIGHUP re-read the
+//!    definitions (`service::reload`: new autostart ones started, nothing running stopped).
 //! 4. Stop taking requests (the control socket is removed), wait a bounded time for the ones
 //!    in hand, then stop every instance at once: attached clients are disconnected without
 //!    the device-request IRQ (the daemon is going away, not the devices: a QEMU asked to
@@ -43,6 +46,7 @@ mod paths;
 mod protocol;
 mod render;
 mod service;
+mod systemd;
 mod table;
 
 use std::fs::{File, OpenOptions};
@@ -52,6 +56,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sd_notify::NotifyState;
 use tracing::{info, warn};
 use umdev::instance::{InstanceError, Parent, Registry, RegistryConfig};
 use umdev::server::listener::SocketListener;
@@ -78,6 +83,9 @@ Then, from another shell:
   umdev define --type ccw-16m --auto            an instance started whenever the daemon starts
   umdev list [--defined]
   umdev stop|start|undefine|remove UUID
+
+SIGINT/SIGTERM stop the daemon; SIGHUP re-reads the definitions (new autostart ones start).
+Under systemd: systemd/umdev.service and umdev.socket (socket activation, sd_notify).
 
 Each instance is one QEMU 10.1+ device:
   -device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"<socket-dir>/<uuid>.sock\"}}'")]
@@ -202,6 +210,8 @@ enum DaemonError {
     Store(#[from] definitions::StoreError),
     #[error("starting the control server")]
     Spawn(#[source] std::io::Error),
+    #[error(transparent)]
+    Activation(#[from] systemd::ActivationError),
     #[error("{0} instance(s) could not be stopped (a device stuck in a call; see the log)")]
     NotStopped(usize),
 }
@@ -240,7 +250,10 @@ fn lock_state_dir(dir: &Path) -> Result<File, DaemonError> {
 /// Entry point of `umdev daemon`.
 pub fn run(args: DaemonArgs) -> CliResult {
     // Before any thread starts, so that sigwait below gets them.
-    let signals = TerminationSignals::block();
+    let signals = TerminationSignals::block_with_hangup();
+    // SAFETY: no thread has been spawned yet (the signals are blocked first, the logger
+    // starts none), so clearing LISTEN_FDS/LISTEN_PID races nothing.
+    let inherited = unsafe { systemd::inherited_control() }?;
     let state_dir = args
         .state_dir
         .clone()
@@ -266,13 +279,20 @@ pub fn run(args: DaemonArgs) -> CliResult {
             .unwrap_or(control_path),
     };
     let _lock = lock_state_dir(&state_dir)?;
-    let listener = SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
-        ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
-        source => DaemonError::Control {
-            path: control_path.clone(),
-            source,
-        },
-    })?;
+    let listener = match inherited {
+        Some(l) => {
+            info!(control = %l.path().display(), "control socket passed by the service manager (socket activation)");
+            l
+        }
+        None => SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
+            ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
+            source => DaemonError::Control {
+                path: control_path.clone(),
+                source,
+            },
+        })?,
+    };
+    let control_path = listener.path().to_path_buf();
 
     let gpu_types = if args.gpu_types.is_empty() {
         GpuParentConfig::default().types
@@ -338,10 +358,43 @@ pub fn run(args: DaemonArgs) -> CliResult {
         state = %state_dir.display(),
         sockets = %socket_dir.display(),
         control = %control_path.display(),
-        "umdev daemon ready (SIGINT or SIGTERM stops it)"
+        "umdev daemon ready (SIGINT or SIGTERM stops it, SIGHUP reloads the definitions)"
     );
+    let status = |what: &str| {
+        format!(
+            "{what}; instances running: {}; control socket {}",
+            service.running_count(),
+            control_path.display()
+        )
+    };
+    systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status("serving"))]);
 
-    let sig = signals.wait();
+    let sig = loop {
+        match signals.wait() {
+            libc::SIGHUP => {
+                systemd::notify_reloading();
+                let what = match service.reload() {
+                    Some(r) => format!(
+                        "definitions reloaded ({} added, {} changed, {} removed, {} started, \
+                         {} failed to start, {} busy)",
+                        r.added.len(),
+                        r.changed.len(),
+                        r.removed.len(),
+                        r.started,
+                        r.failed,
+                        r.busy.len()
+                    ),
+                    None => "definitions not reloaded: the directory cannot be read".into(),
+                };
+                systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status(&what))]);
+            }
+            sig => break sig,
+        }
+    };
+    systemd::notify(&[
+        NotifyState::Stopping,
+        NotifyState::Status("stopping: every instance is stopped"),
+    ]);
     info!(signal = sig, "stopping: no more control requests");
     // A request in hand may be a removal waiting for its client.
     let drain = args.release_timeout + teardown + Duration::from_secs(1);

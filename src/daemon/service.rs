@@ -33,6 +33,8 @@
 //!   `start` can fail with `exhausted`; an autostart that fails is logged and reported by
 //!   `list --defined` until the instance starts.
 
+mod reload;
+
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -1087,6 +1089,11 @@ impl Service {
         }))
     }
 
+    /// How many instances run.
+    pub fn running_count(&self) -> usize {
+        self.registry.instances().len()
+    }
+
     /// Stop every running instance (the daemon is stopping); log what each released.
     /// Returns how many instances could not be stopped.
     pub fn stop_all(&self) -> usize {
@@ -1119,6 +1126,7 @@ impl Service {
 
 #[cfg(test)]
 mod tests {
+    use super::reload::ReloadReport;
     use super::*;
     use umdev::instance::RegistryConfig;
     use umdev_devices::gpu::{GpuParent, GpuParentConfig};
@@ -1163,6 +1171,49 @@ mod tests {
             auto: false,
         })
         .unwrap();
+    }
+
+    #[test]
+    fn test_reload_claimed_uuid_left_busy_then_added_started_gone_file_keeps_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        let u = "6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11";
+        let def = Definition {
+            version: DEFINITION_VERSION,
+            uuid: u.into(),
+            parent: "gpu".into(),
+            type_name: "gpu-4m".into(),
+            params: Params::new(),
+            autostart: true,
+            migrating_to: None,
+        };
+        s.store.write(&def).unwrap();
+        // A request on the UUID under way: the reload leaves it alone.
+        let held = s.claim(u).unwrap();
+        let r = s.reload().unwrap();
+        assert_eq!(r.busy, [u]);
+        assert!(
+            r.added.is_empty() && lock(&s.defs).defined.is_empty(),
+            "{r:?}"
+        );
+        assert!(s.registry.instances().is_empty());
+        drop(held);
+        let r = s.reload().unwrap();
+        assert_eq!(
+            (r.added.as_slice(), r.started, r.failed),
+            ([u.to_owned()].as_slice(), 1, 0)
+        );
+        assert_eq!(s.running_count(), 1);
+        // Nothing new: nothing started again.
+        let r = s.reload().unwrap();
+        assert_eq!(r, ReloadReport::default());
+        // The file goes: the definition too, the instance runs on.
+        s.store.delete(&s.store.path_of(u)).unwrap();
+        let r = s.reload().unwrap();
+        assert_eq!(r.removed, [u]);
+        assert!(lock(&s.defs).defined.is_empty());
+        assert_eq!(s.running_count(), 1);
+        assert_eq!(s.stop_all(), 0);
     }
 
     #[test]

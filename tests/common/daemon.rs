@@ -22,6 +22,11 @@ pub struct Daemon {
     pub relative: bool,
     /// The daemon's RLIMIT_NOFILE, if set (before a start).
     pub nofile: Option<u64>,
+    /// More environment for the daemon (before a start).
+    pub env: Vec<(String, String)>,
+    /// Give the daemon `JOURNAL_STREAM` naming its log file, as systemd names the journal's
+    /// stream (before a start).
+    pub journal: bool,
     starts: usize,
 }
 
@@ -51,6 +56,8 @@ impl Daemon {
             extra: extra.iter().map(|s| s.to_string()).collect(),
             relative: false,
             nofile: None,
+            env: Vec::new(),
+            journal: false,
             starts: 0,
         }
     }
@@ -92,6 +99,8 @@ impl Daemon {
             .args(&self.extra)
             .env("RUST_LOG", "info")
             .env_remove("UMDEV_CONTROL")
+            .env_remove("JOURNAL_STREAM")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         if let Some(n) = self.nofile {
@@ -116,7 +125,13 @@ impl Daemon {
         assert!(self.child.is_none(), "a daemon is running");
         self.starts += 1;
         let log = fs::File::create(self.log_path()).unwrap();
-        let mut child = self.command().stderr(log).spawn().unwrap();
+        let mut command = self.command();
+        if self.journal {
+            use std::os::unix::fs::MetadataExt;
+            let meta = log.metadata().unwrap();
+            command.env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()));
+        }
+        let mut child = command.stderr(log).spawn().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         while !self.log().contains("umdev daemon ready") {
             if let Some(status) = child.try_wait().unwrap() {
@@ -132,11 +147,17 @@ impl Daemon {
         self.child = Some(child);
     }
 
+    /// Send `sig` to the running daemon.
+    pub fn signal(&self, sig: i32) {
+        let child = self.child.as_ref().expect("no daemon running");
+        // SAFETY: signalling our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+    }
+
     /// SIGTERM the daemon and wait for it; returns its log. It must exit successfully.
     pub fn stop(&mut self) -> String {
+        self.signal(libc::SIGTERM);
         let mut child = self.child.take().expect("no daemon running");
-        // SAFETY: signalling our own child process.
-        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {

@@ -17,12 +17,15 @@ use tracing::{debug, info};
 
 use super::ServerError;
 
-/// A bound listener that removes its socket file on drop.
+/// A bound listener that removes its socket file on drop (unless it was
+/// [inherited](SocketListener::inherited)).
 #[derive(Debug)]
 pub struct SocketListener {
     /// The listener.
     pub listener: UnixListener,
     path: PathBuf,
+    /// Whether the socket file is ours to remove on drop.
+    owned: bool,
 }
 
 impl SocketListener {
@@ -59,6 +62,7 @@ impl SocketListener {
                 let guard = SocketListener {
                     listener: l,
                     path: path.to_path_buf(),
+                    owned: true,
                 };
                 fs::set_permissions(path, fs::Permissions::from_mode(mode))
                     .map_err(|e| ServerError::io("setting the socket mode", e))?;
@@ -68,7 +72,20 @@ impl SocketListener {
         Ok(SocketListener {
             listener,
             path: path.to_path_buf(),
+            owned: true,
         })
+    }
+
+    /// A listener someone else bound and handed over (a service manager's socket
+    /// activation): served like a bound one, but its socket file, if any, belongs to whoever
+    /// bound it and is left in place on drop (systemd keeps listening on it and starts the
+    /// service again at the next connection). `path` is what logs call it.
+    pub fn inherited(listener: UnixListener, path: PathBuf) -> SocketListener {
+        SocketListener {
+            listener,
+            path,
+            owned: false,
+        }
     }
 
     /// The socket path.
@@ -208,7 +225,9 @@ impl AcceptBackoff {
 
 impl Drop for SocketListener {
     fn drop(&mut self) {
-        let _ = fs::remove_file(&self.path);
+        if self.owned {
+            let _ = fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -234,6 +253,19 @@ mod tests {
         let again = SocketListener::bind(&p, 0o600).unwrap();
         drop(again);
         assert!(!p.exists());
+    }
+
+    #[test]
+    fn test_inherited_listener_leaves_its_socket_file_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.sock");
+        let inherited = SocketListener::inherited(UnixListener::bind(&p).unwrap(), p.clone());
+        assert_eq!(inherited.path(), p);
+        drop(inherited);
+        assert!(
+            p.exists(),
+            "the socket file of whoever bound it was removed"
+        );
     }
 
     #[test]

@@ -24,17 +24,29 @@
 //! `sigwait`. A thread spawned *before* `block` still has them unblocked and the kernel may
 //! deliver the signal there (the default action: the process ends without a clean stop), so
 //! call it first in `main`.
+//!
+//! A service that reloads its configuration on SIGHUP (the `ExecReload=kill -HUP` of a
+//! systemd unit) blocks it too with [`TerminationSignals::block_with_hangup`]; its
+//! [`TerminationSignals::wait`] then returns `SIGHUP` as well, and the caller reloads and
+//! waits again. Without it SIGHUP keeps its default action.
 
 use crate::dma::DmaSpace;
 
 use super::{RunningServer, ServerError};
 
-/// SIGINT and SIGTERM, blocked in the calling thread and every thread it spawns afterwards.
-pub struct TerminationSignals(libc::sigset_t);
+/// SIGINT and SIGTERM (and SIGHUP, with [`TerminationSignals::block_with_hangup`]),
+/// blocked in the calling thread and every thread it spawns afterwards.
+pub struct TerminationSignals {
+    set: libc::sigset_t,
+    hangup: bool,
+}
 
 impl std::fmt::Debug for TerminationSignals {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TerminationSignals(SIGINT, SIGTERM)")
+        match self.hangup {
+            false => f.write_str("TerminationSignals(SIGINT, SIGTERM)"),
+            true => f.write_str("TerminationSignals(SIGINT, SIGTERM, SIGHUP)"),
+        }
     }
 }
 
@@ -42,6 +54,16 @@ impl TerminationSignals {
     /// Block SIGINT/SIGTERM. Call it before spawning any thread (the server's included), so
     /// that no thread takes them asynchronously and [`TerminationSignals::wait`] gets them.
     pub fn block() -> TerminationSignals {
+        TerminationSignals::block_signals(false)
+    }
+
+    /// [`TerminationSignals::block`], and SIGHUP too: [`TerminationSignals::wait`] returns
+    /// `libc::SIGHUP` when it arrives, for the caller to reload and wait again.
+    pub fn block_with_hangup() -> TerminationSignals {
+        TerminationSignals::block_signals(true)
+    }
+
+    fn block_signals(hangup: bool) -> TerminationSignals {
         // SAFETY: sigset_t is plain data (an array of words) for which all zeroes is a
         // valid value; sigemptyset initialises it below anyway.
         let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -52,18 +74,21 @@ impl TerminationSignals {
             libc::sigemptyset(&mut set);
             libc::sigaddset(&mut set, libc::SIGINT);
             libc::sigaddset(&mut set, libc::SIGTERM);
+            if hangup {
+                libc::sigaddset(&mut set, libc::SIGHUP);
+            }
             libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         }
-        TerminationSignals(set)
+        TerminationSignals { set, hangup }
     }
 
-    /// Wait for SIGINT or SIGTERM; returns the signal number.
+    /// Wait for SIGINT or SIGTERM (or SIGHUP, if blocked); returns the signal number.
     pub fn wait(&self) -> i32 {
         loop {
             let mut sig = 0;
-            // SAFETY: `self.0` is an initialised set of valid signals; sigwait only reads
+            // SAFETY: `self.set` is an initialised set of valid signals; sigwait only reads
             // it and writes the received signal into `sig`, a live local.
-            let rc = unsafe { libc::sigwait(&self.0, &mut sig) };
+            let rc = unsafe { libc::sigwait(&self.set, &mut sig) };
             if rc == 0 {
                 return sig;
             }
@@ -71,14 +96,19 @@ impl TerminationSignals {
         }
     }
 
-    /// Wait for a signal, shut `server` down, and log what the DMA space still holds (a
+    /// Wait for SIGINT or SIGTERM, shut `server` down, and log what the DMA space still holds (a
     /// clean stop shows 0 maps and 0 pinned pages).
     pub fn serve_until_signal(
         &self,
         server: RunningServer,
         dma: &DmaSpace,
     ) -> Result<(), ServerError> {
-        let sig = self.wait();
+        let sig = loop {
+            match self.wait() {
+                libc::SIGHUP => tracing::info!("SIGHUP: nothing to reload"),
+                sig => break sig,
+            }
+        };
         tracing::info!("signal {sig}: shutting down");
         server.shutdown()?;
         let stats = dma.stats();
@@ -106,5 +136,15 @@ mod tests {
         let rc = unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGTERM) };
         assert_eq!(rc, 0);
         assert_eq!(signals.wait(), libc::SIGTERM);
+    }
+
+    #[test]
+    fn test_termination_signals_with_hangup_wait_returns_sighup() {
+        let signals = TerminationSignals::block_with_hangup();
+        // SAFETY: as above; SIGHUP is blocked in this thread too.
+        let rc = unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGHUP) };
+        assert_eq!(rc, 0);
+        assert_eq!(signals.wait(), libc::SIGHUP);
+        assert!(format!("{signals:?}").contains("SIGHUP"));
     }
 }
