@@ -218,6 +218,25 @@ fn test_check_qemu_from_cache_dir_when_path_has_none() {
 }
 
 #[test]
+fn test_check_bad_qemu_bin_falls_through_to_cache_and_says_so() {
+    let host = Host::new();
+    let bin = host.path("cache/qemu-10.2.2/bin");
+    fs::create_dir_all(&bin).unwrap();
+    let good = host.qemu("10.2.2", GOOD_DEVICES);
+    fs::rename(&good, bin.join("qemu-system-x86_64")).unwrap();
+    let old = host.script("old-qemu", "echo 'QEMU emulator version 9.2.0'");
+    let (out, v) = json(host.command(Some(&old)));
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    let qemu = find(&v, "qemu");
+    let detail = qemu["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("not used:") && detail.contains("QEMU 9.2"),
+        "{detail}"
+    );
+    assert_eq!(qemu["values"]["tried"].as_array().unwrap().len(), 2);
+}
+
+#[test]
 fn test_check_no_qemu_anywhere_missing() {
     let host = Host::new();
     let (out, v) = json(host.command(None));

@@ -158,6 +158,9 @@ pub fn run(args: CheckArgs) -> CliResult {
         }
     }
     if !missing.is_empty() {
+        use std::io::Write;
+        // exit() runs no destructors: what was printed must be out first.
+        std::io::stdout().flush()?;
         std::process::exit(1);
     }
     Ok(())

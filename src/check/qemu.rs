@@ -130,15 +130,14 @@ pub fn check(explicit: Option<&Path>) -> Finding {
         tried.push(serde_json::Value::from(bin.display().to_string()));
         match probe(&bin) {
             Ok(version) => {
-                return Finding::new(
-                    "qemu",
-                    true,
-                    Status::Ok,
-                    format!("{} is QEMU {version} with vfio-user-pci", bin.display()),
-                )
-                .value("path", bin.display().to_string())
-                .value("version", version)
-                .value("tried", tried);
+                let mut detail = format!("{} is QEMU {version} with vfio-user-pci", bin.display());
+                if !refused.is_empty() {
+                    detail.push_str(&format!(" (not used: {})", refused.join("; ")));
+                }
+                return Finding::new("qemu", true, Status::Ok, detail)
+                    .value("path", bin.display().to_string())
+                    .value("version", version)
+                    .value("tried", tried);
             }
             Err(why) => refused.push(format!("{}: {why}", bin.display())),
         }
