@@ -296,6 +296,22 @@ fn test_check_missing_dirs_ok_and_not_created() {
 }
 
 #[test]
+fn test_check_relative_dirs_taken_from_working_directory() {
+    let host = Host::new();
+    let q = host.qemu("10.1.0", GOOD_DEVICES);
+    let mut c = host.command_with_state(Some(&q), Path::new("state"));
+    c.current_dir(host.dir.path());
+    let (out, v) = json(c);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    let s = find(&v, "state-dir");
+    assert_eq!(s["values"]["exists"], true, "{s}");
+    assert_eq!(
+        s["values"]["path"].as_str(),
+        Some(host.path("state").to_str().unwrap())
+    );
+}
+
+#[test]
 fn test_check_dir_of_another_user_missing() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {

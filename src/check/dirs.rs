@@ -26,7 +26,9 @@ pub fn resolve(args: &CheckArgs) -> (PathBuf, PathBuf, PathBuf) {
         .control
         .clone()
         .unwrap_or_else(|| sockets.join(paths::CONTROL_SOCKET));
-    (state, sockets, control)
+    // The daemon takes relative directories from its working directory: so does the check.
+    let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+    (abs(state), abs(sockets), abs(control))
 }
 
 fn euid() -> u32 {
@@ -78,6 +80,7 @@ pub fn private_dir(name: &'static str, dir: &Path) -> Finding {
                 ))
                 .value("exists", false),
                 None => base(Status::Missing, format!("{shown}: no existing parent"))
+                    .fix(format!("pick an absolute path with --{name}"))
                     .value("exists", false),
             };
         }
@@ -176,7 +179,8 @@ pub fn other_daemon(state: &Path, control: &Path) -> Finding {
         (Err(e), _) => f(
             Status::Warn,
             format!("cannot test {state_shown}/daemon.lock: {e}"),
-        ),
+        )
+        .fix("make it readable by this user, or run the check as the daemon's user"),
         (Ok(Some(true)), true) => f(
             Status::Ok,
             format!(

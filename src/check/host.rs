@@ -38,7 +38,8 @@ pub fn memlock() -> Finding {
         return f(
             Status::Warn,
             format!("getrlimit(RLIMIT_MEMLOCK) failed: {e}"),
-        );
+        )
+        .fix("check `ulimit -l` by hand");
     }
     let soft = (rl.rlim_cur != libc::RLIM_INFINITY).then_some(rl.rlim_cur);
     let hard = (rl.rlim_max != libc::RLIM_INFINITY).then_some(rl.rlim_max);
@@ -134,7 +135,8 @@ pub fn max_map_count(max_instances: usize) -> Finding {
             false,
             Status::Warn,
             format!("cannot read {path}: the daemon assumes the kernel default 65530"),
-        );
+        )
+        .fix("check `sysctl vm.max_map_count` by hand (is /proc mounted?)");
     };
     let instances = max_instances.max(1) as u64;
     let capacity = capacity_for(count);
