@@ -6,13 +6,14 @@ use umdev::dma::{capacity_for, DEFAULT_MAP_GUARANTEE, PAGE_SIZE};
 
 use super::{bytes, Finding, Status};
 
-/// The most one device of `umdev run --pin-policy lock` keeps locked at once, and which:
-/// a GPU pins a page per GTT entry; a ccw program pins up to `DEFAULT_MAX_CCWS` CCWs of at
-/// most `MAX_IDAWS_PER_CCW` pages each (a direct 16-bit count spans at most 17 pages).
+/// The most one device of `umdev run --pin-policy lock` keeps locked at once (GPU, ccw):
+/// a GPU pins a page per GTT entry; a ccw program pins the data pages of up to
+/// `DEFAULT_MAX_CCWS` CCWs, each a 16-bit byte count at the worst offset (17 pages, direct
+/// or through an IDAW list; the CCW and IDAW lists themselves are read, not pinned).
 pub fn lock_needed() -> (u64, u64) {
-    use umdev_devices::ccw::{idal::MAX_IDAWS_PER_CCW, program::DEFAULT_MAX_CCWS};
+    use umdev_devices::ccw::program::DEFAULT_MAX_CCWS;
     let gpu = u64::from(umdev_devices::gpu::regs::GTT_ENTRIES) * PAGE_SIZE;
-    let per_ccw = u64::from(MAX_IDAWS_PER_CCW).max(17);
+    let per_ccw = (PAGE_SIZE - 1 + u64::from(u16::MAX)).div_ceil(PAGE_SIZE);
     let ccw = DEFAULT_MAX_CCWS as u64 * per_ccw * PAGE_SIZE;
     (gpu, ccw)
 }
@@ -304,6 +305,7 @@ mod tests {
     fn test_lock_needed_ccw_program_dominates() {
         let (gpu, ccw) = lock_needed();
         assert_eq!(gpu, 4 << 20);
-        assert_eq!(ccw, 32 << 20);
+        // 256 CCWs of 17 pages.
+        assert_eq!(ccw, 17 << 20);
     }
 }
