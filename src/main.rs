@@ -1,12 +1,14 @@
 //! The `umdev` command line: serve an example device, demo it without QEMU, or benchmark.
 
+mod check;
+mod completions;
 mod daemon;
 mod demo;
 mod demo_migrate;
 mod logging;
 mod run;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 /// umdev: user-space mediated devices served over vfio-user.
 #[derive(Parser, Debug)]
@@ -43,6 +45,13 @@ enum Command {
     Daemon(daemon::DaemonArgs),
     #[command(flatten)]
     Instances(daemon::client::ClientCommand),
+    /// What this host has and lacks for umdev: memlock, map count, huge pages, QEMU,
+    /// the daemon's directories.
+    Check(check::CheckArgs),
+    /// Print a shell completion script to stdout.
+    Completions(completions::CompletionsArgs),
+    /// Print the man page (roff) to stdout, or write one page per subcommand.
+    Man(completions::ManArgs),
 }
 
 fn main() {
@@ -50,7 +59,11 @@ fn main() {
     // A server's log is its report: info by default. A benchmark's report is its tables, so
     // the servers it starts log only warnings unless RUST_LOG asks for more.
     let default_level = match cli.command {
-        Command::Bench(_) | Command::Instances(_) => "warn",
+        Command::Bench(_)
+        | Command::Instances(_)
+        | Command::Check(_)
+        | Command::Completions(_)
+        | Command::Man(_) => "warn",
         Command::Run(_) | Command::Demo(_) | Command::Daemon(_) => "info",
     };
     logging::init(default_level);
@@ -60,6 +73,9 @@ fn main() {
         Command::Bench(args) => umdev_bench::run(args).map_err(Into::into),
         Command::Daemon(args) => daemon::run(args),
         Command::Instances(command) => daemon::client::run(command),
+        Command::Check(args) => check::run(args),
+        Command::Completions(args) => completions::completions(args, Cli::command()),
+        Command::Man(args) => completions::man(args, Cli::command()),
     };
     if let Err(e) = result {
         eprintln!("umdev: {e}");

@@ -42,7 +42,7 @@ pub mod client;
 mod control;
 mod definitions;
 mod migrate;
-mod paths;
+pub(crate) mod paths;
 mod protocol;
 mod render;
 mod service;
