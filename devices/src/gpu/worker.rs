@@ -337,8 +337,14 @@ impl Drop for Busy<'_> {
         } else {
             g.fetching = false;
         }
+        // Only `pause` waits for the end of a unit, and it holds the gate (`holds > 0`)
+        // while it does: no wake-up call (a syscall, under the engine's state lock) for
+        // every other unit.
+        let waited = g.holds > 0;
         drop(g);
-        self.gate.changed.notify_all();
+        if waited {
+            self.gate.changed.notify_all();
+        }
     }
 }
 
