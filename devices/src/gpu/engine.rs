@@ -1,5 +1,5 @@
 //! The render engine: one thread that executes the ring commands of every GPU attached to
-//! it, one command at a time, choosing whose command runs next with a weighted fair
+//! it, one command per unit, choosing whose command runs next with a weighted fair
 //! scheduler (stride scheduling, `sched.rs`). A [`GpuParent`](super::parent::GpuParent) has
 //! one engine for all its instances, the way gvt-g time-slices the vGPUs of one physical
 //! GPU; a standalone [`Gpu`](super::Gpu) has an engine of its own (an engine of one).
@@ -10,7 +10,8 @@
 //! by the doorbell, it reads the published bytes of its ring (DMA reads, which for fd-less
 //! memory are server→client DMA_READs that wait for the client) and hands them to the
 //! engine as one `Work` item. The engine thread executes that work one command per *unit*
-//! (`execute.rs`): pins, pixel copies, framebuffer writes and the command's completion.
+//! (`execute.rs`): pins, pixel copies, framebuffer writes and the command's completion (a
+//! lane's unit that is due at once may run on its fetcher instead: "Who executes").
 //! **The engine never waits for a client**: a unit does no remote DMA, so its duration is
 //! bounded by the work it describes. A client that never answers its instance's DMA_READ
 //! stalls that instance's fetcher (until the remote DMA timeout, or a cancellation), never
@@ -34,6 +35,38 @@
 //! and the largest number of other lanes' units executed between the moment the lane
 //! became ready and the start of its next unit.
 //!
+//! # Who executes
+//!
+//! The engine thread executes the lanes' backlog, but it runs flat out while any lane has
+//! work, so on a busy host (more CPU-bound threads than CPUs) it is never *woken*: when it
+//! loses its CPU it waits for another thread's time slice to end (ms), and a short slice of
+//! its own does not change that (measured). An idle instance's command that arrives then
+//! would wait that long although the scheduler picks it within a few units. The fetcher
+//! that hands the command over, though, has just been woken by the doorbell, with a short
+//! slice (see "Priority"), so it has a CPU. **If the lane it submits to is at the front of
+//! the ready set** (its pass is the smallest ready pass, `StrideScheduler::at_front`: the
+//! scheduler picks it next, or after others tied at the same pass), `submit` executes that
+//! one unit on the fetcher's thread at once (`StrideScheduler::take`, then the same step
+//! the engine runs: gate, charge, counters, completion) and leaves the rest of the work to
+//! the engine. So:
+//!
+//! - The scheduler still decides: a fetcher runs only its own lane's unit and only when its
+//!   pass is the smallest, and the unit is charged like any other, so shares are unchanged
+//!   (a lane that submits a unit per doorbell moves its pass past the others' and then
+//!   waits for the engine like any backlogged lane). A fetcher never executes other lanes'
+//!   work: it does not become a second engine.
+//! - At most one unit of a lane executes at a time (the lane is `Running`, out of the ready
+//!   set, and its gate marks it), and a lane's units run in ring order. Units of
+//!   *different* lanes may now overlap: the engine thread's and a fetcher's (the engine is
+//!   a time-sliced resource, not a lock between lanes; units touch only their own lane's
+//!   state).
+//! - Quiesce, reset and stop see a fetcher's unit as an engine unit: it takes the lane's
+//!   gate with `try_execute` (a paused lane is parked, its work kept), and it ends before
+//!   the fetcher's `drain` returns, inside the fetcher's own `Gate::enter` section.
+//!
+//! For a lane that wakes at the front of the ready set the wake-up delay (`sched.rs`,
+//! `EngineStats::max_wakeup_delay`) is then zero units, whatever the engine thread does.
+//!
 //! # Quiescing one lane
 //!
 //! A lane's `Gate` (`worker.rs`) is shared by its fetcher and the engine. The engine takes
@@ -49,7 +82,7 @@
 //!
 //! Order: the engine's state lock, then a lane's gate lock (`try_execute` and the release
 //! of the execute guard run under the state lock; nothing takes the state lock while
-//! holding a gate lock). The engine holds no lock while it executes a unit; the unit takes
+//! holding a gate lock). Nobody holds the state lock while executing a unit; the unit takes
 //! the lane's own locks (`state.rs`), which nobody holds across a wait for a client.
 //!
 //! # Priority
@@ -91,7 +124,7 @@
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -339,7 +372,12 @@ impl RenderEngine {
         st.lanes.remove(&id);
     }
 
-    /// The fetcher hands over a work item (the lane has none: see `LaneCtx::busy`).
+    /// The fetcher hands over a work item (the lane has none: see `LaneCtx::busy`). If the
+    /// scheduler's next pick is then this lane, the calling fetcher executes that one unit
+    /// itself, at once, instead of waiting for the engine thread, which may be inside
+    /// another lane's unit or waiting for a CPU: the scheduler chose the unit and charges
+    /// it as if the engine had run it; only the thread differs. See the module doc, "Who
+    /// executes".
     pub(super) fn submit(&self, id: LaneId, work: Work) {
         let mut st = lock(&self.inner.state);
         let State {
@@ -356,8 +394,18 @@ impl RenderEngine {
         }
         lane.ctx.busy.store(true, Ordering::SeqCst);
         lane.work = Some(work);
-        if lane.run == Run::Idle {
-            make_ready(lane, sched, id, *units);
+        if lane.run != Run::Idle {
+            return;
+        }
+        make_ready(lane, sched, id, *units);
+        if st.stop || !st.sched.at_front(id) {
+            self.inner.wake.notify_one();
+            return;
+        }
+        let (st, _) = step_lane(&self.inner, st, Some(id));
+        // The lane may have work left, and the engine thread may have found the ready set
+        // empty while this thread held the lane.
+        if st.sched.ready_len() > 0 {
             self.inner.wake.notify_one();
         }
     }
@@ -495,85 +543,122 @@ pub(super) fn set_own_slice(slice: std::time::Duration) -> std::io::Result<()> {
     }
 }
 
-/// The engine thread.
+/// What one scheduling step ([`step`]) did.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// No lane is ready (the state lock was held throughout: wait on `wake` with it).
+    NoWork,
+    /// The picked lane had nothing to run, or was parked.
+    Skipped,
+    /// One unit of this lane was executed.
+    Ran(LaneId),
+}
+
+/// One scheduling step: pick the ready lane with the smallest pass and execute one unit of
+/// it without the state lock (the lane is `Running`, out of the ready set, so no other step
+/// picks it meanwhile). Whoever calls it — the engine thread or a helping fetcher — the
+/// scheduler chooses the lane, so shares and the wake-up bound do not depend on the thread.
+fn step<'a>(inner: &'a Inner, st: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, Step) {
+    step_lane(inner, st, None)
+}
+
+/// [`step`], or with `only` the unit of that lane, which the caller has checked is at the
+/// front of the ready set (`StrideScheduler::at_front`).
+fn step_lane<'a>(
+    inner: &'a Inner,
+    mut st: MutexGuard<'a, State>,
+    only: Option<LaneId>,
+) -> (MutexGuard<'a, State>, Step) {
+    let picked = match only {
+        Some(id) => st.sched.take(id).then_some(id),
+        None => st.sched.pick(),
+    };
+    let Some(id) = picked else {
+        return (st, Step::NoWork);
+    };
+    let units = st.units;
+    let Some(lane) = st.lanes.get_mut(&id) else {
+        return (st, Step::Skipped);
+    };
+    let Some(mut work) = lane.work.take() else {
+        lane.run = Run::Idle;
+        return (st, Step::Skipped);
+    };
+    let ctx = lane.ctx.clone();
+    let Some(exec) = ctx.gate.try_execute() else {
+        // Paused or stopped: keep the work, leave the lane out until `kick`.
+        lane.work = Some(work);
+        lane.run = Run::Parked;
+        return (st, Step::Skipped);
+    };
+    lane.run = Run::Running;
+    if let Some(at) = lane.ready_at.take() {
+        ctx.shared
+            .engine
+            .max_wakeup_delay
+            .fetch_max(units - at, Ordering::Relaxed);
+    }
+    drop(st);
+
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        execute::run_unit(&ctx.shared, &ctx.dma, &mut work)
+    }));
+    let (cost, executed, done, panicked) = match outcome {
+        Ok(o) => (o.cost, o.executed, o.done, false),
+        Err(_) => {
+            tracing::error!(
+                lane = id,
+                "gpu engine: a command panicked; the GPU executes nothing more until it \
+                 is reset or re-attached"
+            );
+            (UNIT_BASE_COST, true, true, true)
+        }
+    };
+    if executed {
+        let counters = &ctx.shared.engine;
+        counters.commands.fetch_add(1, Ordering::Relaxed);
+        counters.work.fetch_add(cost, Ordering::Relaxed);
+    }
+
+    let mut st = lock(&inner.state);
+    if executed {
+        st.units += 1;
+    }
+    let State { lanes, sched, .. } = &mut *st;
+    sched.charge(id, cost);
+    if let Some(lane) = lanes.get_mut(&id) {
+        if !done {
+            lane.work = Some(work);
+            lane.run = Run::Ready;
+            sched.ready(id);
+        } else {
+            lane.run = Run::Idle;
+            // After a panic `busy` stays set: the fetcher hands over nothing more (the
+            // command would panic again) until a reset discards the lane's work.
+            if !panicked {
+                ctx.busy.store(false, Ordering::SeqCst);
+                ctx.ring_fetcher();
+            }
+        }
+    }
+    // Under the state lock, after the work is back: a pause that waited for this unit
+    // finds the lane's work where `discard` can drop it.
+    drop(exec);
+    (st, Step::Ran(id))
+}
+
+/// The engine thread: scheduling steps while a lane is ready.
 fn run(inner: &Inner) {
     let mut st = lock(&inner.state);
     loop {
         if st.stop {
             break;
         }
-        let Some(id) = st.sched.pick() else {
+        let (next, done) = step(inner, st);
+        st = next;
+        if done == Step::NoWork {
             st = inner.wake.wait(st).unwrap_or_else(|e| e.into_inner());
-            continue;
-        };
-        let units = st.units;
-        let Some(lane) = st.lanes.get_mut(&id) else {
-            continue;
-        };
-        let Some(mut work) = lane.work.take() else {
-            lane.run = Run::Idle;
-            continue;
-        };
-        let ctx = lane.ctx.clone();
-        let Some(exec) = ctx.gate.try_execute() else {
-            // Paused or stopped: keep the work, leave the lane out until `kick`.
-            lane.work = Some(work);
-            lane.run = Run::Parked;
-            continue;
-        };
-        lane.run = Run::Running;
-        if let Some(at) = lane.ready_at.take() {
-            ctx.shared
-                .engine
-                .max_wakeup_delay
-                .fetch_max(units - at, Ordering::Relaxed);
         }
-        drop(st);
-
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            execute::run_unit(&ctx.shared, &ctx.dma, &mut work)
-        }));
-        let (cost, executed, done, panicked) = match outcome {
-            Ok(o) => (o.cost, o.executed, o.done, false),
-            Err(_) => {
-                tracing::error!(
-                    lane = id,
-                    "gpu engine: a command panicked; the GPU executes nothing more until it \
-                     is reset or re-attached"
-                );
-                (UNIT_BASE_COST, true, true, true)
-            }
-        };
-        if executed {
-            let counters = &ctx.shared.engine;
-            counters.commands.fetch_add(1, Ordering::Relaxed);
-            counters.work.fetch_add(cost, Ordering::Relaxed);
-        }
-
-        st = lock(&inner.state);
-        if executed {
-            st.units += 1;
-        }
-        let State { lanes, sched, .. } = &mut *st;
-        sched.charge(id, cost);
-        if let Some(lane) = lanes.get_mut(&id) {
-            if !done {
-                lane.work = Some(work);
-                lane.run = Run::Ready;
-                sched.ready(id);
-            } else {
-                lane.run = Run::Idle;
-                // After a panic `busy` stays set: the fetcher hands over nothing more (the
-                // command would panic again) until a reset discards the lane's work.
-                if !panicked {
-                    ctx.busy.store(false, Ordering::SeqCst);
-                    ctx.ring_fetcher();
-                }
-            }
-        }
-        // Under the state lock, after the work is back: a pause that waited for this unit
-        // finds the lane's work where `discard` can drop it.
-        drop(exec);
     }
     tracing::debug!("gpu engine stopped");
 }

@@ -135,6 +135,33 @@ impl StrideScheduler {
         Some(id)
     }
 
+    /// True if client `id` is ready with the smallest pass of the ready set: [`pick`] takes
+    /// it next, or, tied with clients that became ready before it, after them without any
+    /// pass advancing in between. [`take`] may then take it out of turn.
+    ///
+    /// [`pick`]: Self::pick
+    /// [`take`]: Self::take
+    pub fn at_front(&self, id: ClientId) -> bool {
+        let Some((pass, _)) = self.clients.get(&id).and_then(|c| c.ready_key) else {
+            return false;
+        };
+        self.ready.first().is_some_and(|&(min, _, _)| min == pass)
+    }
+
+    /// Take client `id` out of the ready set as [`pick`](Self::pick) would (`vtime` moves
+    /// to its pass). `false` if it is not ready.
+    pub fn take(&mut self, id: ClientId) -> bool {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return false;
+        };
+        let Some((pass, seq)) = c.ready_key.take() else {
+            return false;
+        };
+        self.ready.remove(&(pass, seq, id));
+        self.vtime = self.vtime.max(pass);
+        true
+    }
+
     /// Charge client `id` for a unit that cost `cost` work units.
     pub fn charge(&mut self, id: ClientId, cost: u64) {
         if let Some(c) = self.clients.get_mut(&id) {
@@ -146,7 +173,6 @@ impl StrideScheduler {
     }
 
     /// Number of ready clients.
-    #[cfg(test)]
     pub fn ready_len(&self) -> usize {
         self.ready.len()
     }
@@ -365,6 +391,36 @@ mod tests {
             &order[..8]
         );
         assert_eq!(order[1001], 1);
+    }
+
+    #[test]
+    fn test_stride_woken_client_tied_at_the_front_is_at_front_and_take_moves_vtime() {
+        let mut s = StrideScheduler::new();
+        for id in 1..=3 {
+            s.add(id, 1);
+        }
+        // 1 and 2 have equal passes (same costs); 1 is picked and charged; 2 stays ready
+        // at the virtual time; 3 wakes there too, after 2.
+        s.ready(1);
+        s.ready(2);
+        assert_eq!(s.pick(), Some(1));
+        s.charge(1, 100);
+        s.ready(1);
+        s.ready(3);
+        assert!(
+            s.at_front(2) && s.at_front(3),
+            "2 and 3 tie at the virtual time"
+        );
+        assert!(!s.at_front(1), "1 has been charged past them");
+        assert!(s.take(3), "3 taken out of turn");
+        assert!(!s.at_front(3) && !s.take(3), "no longer ready");
+        s.charge(3, 100);
+        // 2 still runs before 1 and 3, which now tie one unit later.
+        assert_eq!(s.pick(), Some(2));
+        s.ready(3);
+        assert_eq!(s.pick(), Some(1));
+        assert_eq!(s.pick(), Some(3));
+        assert_eq!(s.pick(), None);
     }
 
     #[test]

@@ -438,6 +438,8 @@ impl Fetcher {
                     }
                 }
             };
+            // Executes the first unit at once if the scheduler picks this lane next
+            // (engine.rs, "Who executes").
             self.engine.submit(self.lane, work);
         }
     }
