@@ -133,6 +133,9 @@ pub struct FairPlan {
     /// The time slice the instances' fetcher threads ask for, µs (0: none;
     /// [`RenderEngine::set_fetcher_slice`](umdev_devices::gpu::engine::RenderEngine)).
     pub fetcher_slice_us: u64,
+    /// The time slice the instances' connection threads ask for, µs (0: none;
+    /// `ServerConfig::thread_slice`).
+    pub conn_slice_us: u64,
 }
 
 /// Background load for a busy-host run: `n` threads of this process that spin at its
@@ -605,7 +608,10 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan, busy: usize) -> Result<FairnessS
         ..GpuParentConfig::default()
     })
     .map_err(|e| BenchError::Workload(Box::new(e)))?;
-    let registry = Registry::new(RegistryConfig::new(dir.path().join("sockets")))?;
+    let mut config = RegistryConfig::new(dir.path().join("sockets"));
+    config.server.thread_slice =
+        Some(Duration::from_micros(plan.conn_slice_us)).filter(|d| !d.is_zero());
+    let registry = Registry::new(config)?;
     registry.add_parent(Arc::new(parent.clone()))?;
     // Before any instance attaches: fetchers take their slice when they start.
     parent.engine().set_fetcher_slice(

@@ -107,6 +107,11 @@ pub struct InstancesArgs {
     /// kernel's default) [default: the engine's, 100].
     #[arg(long, value_name = "US")]
     pub fetcher_slice_us: Option<u64>,
+    /// The time slice the instances' connection threads ask for, µs (the server's
+    /// `ServerConfig::thread_slice`); 0: none (the kernel's default) [default: the
+    /// server's, 100].
+    #[arg(long, value_name = "US")]
+    pub conn_slice_us: Option<u64>,
     /// Output options.
     #[command(flatten)]
     pub out: OutputArgs,
@@ -146,6 +151,9 @@ impl InstancesArgs {
             fetcher_slice_us: self
                 .fetcher_slice_us
                 .unwrap_or(umdev_devices::gpu::engine::DEFAULT_FETCHER_SLICE.as_micros() as u64),
+            conn_slice_us: self
+                .conn_slice_us
+                .unwrap_or(umdev::server::DEFAULT_THREAD_SLICE.as_micros() as u64),
         }
     }
 
@@ -697,7 +705,7 @@ pub fn render(r: &InstancesReport) -> String {
         let weights: Vec<String> = s.flooders.iter().map(|f| f.weight.to_string()).collect();
         out.push_str(&format!(
             "\nfairness, {} set{}: {} flooders (weights {}), {:.2} s loaded, {} engine units \
-             ({:.0}/s), engine thread at nice {}, fetcher slice {} µs\n",
+             ({:.0}/s), engine thread at nice {}, fetcher slice {} µs, connection slice {} µs\n",
             s.name,
             busy_label(s.busy_threads),
             s.flooders.len(),
@@ -706,7 +714,8 @@ pub fn render(r: &InstancesReport) -> String {
             s.engine_units,
             s.engine_units as f64 / s.window_s,
             s.engine_thread_nice,
-            r.config.fairness.fetcher_slice_us
+            r.config.fairness.fetcher_slice_us,
+            r.config.fairness.conn_slice_us
         ));
         let mut t = Table::new(&[
             "flooder",

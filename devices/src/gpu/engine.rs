@@ -107,13 +107,15 @@
 //! schedstat), the idle instance's fetcher, woken by the doorbell, waited ~1.4 ms on a
 //! run queue per wake-up (28 µs unloaded) while the engine and the flooders kept both
 //! CPUs busy, about one time slice of whatever ran there. Each fetcher thread therefore
-//! asks the kernel for a slice of [`DEFAULT_FETCHER_SLICE`] (`sched_setattr`,
-//! SCHED_OTHER with `sched_runtime`, its nice value kept; Linux ≥ 6.12's EEVDF takes it
-//! as the task's slice and lets a waking task with a shorter slice preempt, older kernels
-//! ignore it). The thread's share of CPU time is unchanged (that is its weight, i.e. its
-//! nice value), only its latency: a fetcher runs for microseconds and sleeps. No
-//! privilege is needed. [`RenderEngine::set_fetcher_slice`] changes it (or turns it off)
-//! for fetchers that start afterwards.
+//! asks the kernel for a slice of [`DEFAULT_FETCHER_SLICE`]
+//! (`umdev::server::set_thread_slice`: SCHED_OTHER with `sched_runtime`, its nice value
+//! kept; Linux ≥ 6.12's EEVDF takes it as the task's slice and lets a waking task with a
+//! shorter slice preempt, older kernels ignore it). The thread's share of CPU time is
+//! unchanged (that is its weight, i.e. its nice value), only its latency: a fetcher runs
+//! for microseconds and sleeps. No privilege is needed. [`RenderEngine::set_fetcher_slice`]
+//! changes it (or turns it off) for fetchers that start afterwards. The connection thread
+//! that receives the doorbell write is the other wake-up on this path; it asks for the
+//! same slice (`umdev::server::ServerConfig::thread_slice`).
 //!
 //! # Panics
 //!
@@ -136,8 +138,10 @@ use super::sched::StrideScheduler;
 use super::state::Shared;
 use super::worker::Gate;
 
-/// The time slice each fetcher thread asks for (see the module doc, "Priority").
-pub const DEFAULT_FETCHER_SLICE: std::time::Duration = std::time::Duration::from_micros(100);
+/// The time slice each fetcher thread asks for (see the module doc, "Priority"): the
+/// framework's [`umdev::server::DEFAULT_THREAD_SLICE`], which the server's connection
+/// threads ask for too.
+pub const DEFAULT_FETCHER_SLICE: std::time::Duration = umdev::server::DEFAULT_THREAD_SLICE;
 
 /// A lane's id on its engine (never reused).
 pub(super) type LaneId = u64;
@@ -496,53 +500,6 @@ fn set_own_nice(engine: &str, nice: Option<i32>) -> i32 {
     tid
 }
 
-/// `struct sched_attr` of `sched_setattr(2)`, its first version (48 bytes).
-#[repr(C)]
-#[derive(Default)]
-struct SchedAttr {
-    size: u32,
-    sched_policy: u32,
-    sched_flags: u64,
-    sched_nice: i32,
-    sched_priority: u32,
-    sched_runtime: u64,
-    sched_deadline: u64,
-    sched_period: u64,
-}
-
-/// Ask for a time slice of `slice` for the calling thread: SCHED_OTHER with its nice value
-/// kept and `sched_runtime` = the slice (Linux ≥ 6.12 takes it as the slice of a fair
-/// task, clamped to 0.1–100 ms; older kernels ignore it). The error of a refusal.
-pub(super) fn set_own_slice(slice: std::time::Duration) -> std::io::Result<()> {
-    // SAFETY: gettid has no arguments and cannot fail.
-    let tid = unsafe { libc::gettid() };
-    let who = libc::id_t::try_from(tid).unwrap_or(0);
-    // SAFETY: errno is thread-local and ours to reset; getpriority of this thread touches
-    // no memory. errno is reset first so that a nice value of -1 is told from an error.
-    let nice = unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, who)
-    };
-    if nice == -1 && std::io::Error::last_os_error().raw_os_error() != Some(0) {
-        return Err(std::io::Error::last_os_error());
-    }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        sched_policy: libc::SCHED_OTHER as u32,
-        sched_nice: nice,
-        sched_runtime: u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX),
-        ..SchedAttr::default()
-    };
-    // SAFETY: sched_setattr(0 = the calling thread, an attr of the size it states, flags
-    // 0) only reads `attr`, which lives across the call.
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 /// What one scheduling step ([`step`]) did.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
@@ -667,50 +624,12 @@ fn run(inner: &Inner) {
 mod tests {
     use super::*;
 
-    /// The calling thread's `sched_runtime` as `sched_getattr` reports it.
-    fn own_sched_runtime() -> u64 {
-        let mut attr = SchedAttr::default();
-        // SAFETY: sched_getattr(0 = the calling thread) writes at most `size` bytes into
-        // `attr`, which lives across the call.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_sched_getattr,
-                0,
-                &mut attr as *mut SchedAttr,
-                std::mem::size_of::<SchedAttr>() as u32,
-                0,
-            )
-        };
-        assert_eq!(r, 0, "sched_getattr: {}", std::io::Error::last_os_error());
-        attr.sched_runtime
-    }
-
-    /// Linux (major, minor) from uname.
-    fn kernel() -> (u32, u32) {
-        let rel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        let mut it = rel.trim().split(['.', '-']).map(|p| p.parse().unwrap_or(0));
-        (it.next().unwrap_or(0), it.next().unwrap_or(0))
-    }
-
     #[test]
-    fn test_set_own_slice_keeps_nice_and_sets_the_slice_on_linux_6_12() {
+    fn test_fetcher_slice_defaults_to_the_framework_s_and_can_be_turned_off() {
         let engine = RenderEngine::new("t");
         assert_eq!(engine.fetcher_slice(), Some(DEFAULT_FETCHER_SLICE));
+        assert_eq!(DEFAULT_FETCHER_SLICE, umdev::server::DEFAULT_THREAD_SLICE);
         engine.set_fetcher_slice(None);
         assert_eq!(engine.fetcher_slice(), None);
-        std::thread::spawn(|| {
-            // SAFETY: setpriority on this thread alone (0 = the caller); raising one's own
-            // nice value needs no privilege.
-            assert_eq!(unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 5) }, 0);
-            set_own_slice(DEFAULT_FETCHER_SLICE).expect("sched_setattr");
-            // SAFETY: getpriority of this thread touches no memory.
-            let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-            assert_eq!(nice, 5, "the nice value is kept");
-            if kernel() >= (6, 12) {
-                assert_eq!(own_sched_runtime(), DEFAULT_FETCHER_SLICE.as_nanos() as u64);
-            }
-        })
-        .join()
-        .unwrap();
     }
 }

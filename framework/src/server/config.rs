@@ -60,6 +60,13 @@ pub struct ServerConfig {
     /// thread shared with other instances with it); others get EPERM. Set it only for
     /// trusted clients, e.g. QEMU with `memory-backend-file` on a disk filesystem.
     pub allow_any_file_maps: bool,
+    /// The time slice the connection thread (and the twin-socket reader) ask the kernel
+    /// for when they start ([`super::slice`]): a short slice lets a thread woken by a
+    /// message preempt CPU-bound threads on a busy host (Linux ≥ 6.12), so a guest's
+    /// trapped access does not wait milliseconds for a CPU. Default
+    /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs); `None`: the
+    /// kernel's default.
+    pub thread_slice: Option<Duration>,
 }
 
 impl ServerConfig {
@@ -80,6 +87,7 @@ impl ServerConfig {
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
             allow_any_file_maps: false,
+            thread_slice: Some(super::DEFAULT_THREAD_SLICE),
         }
     }
 

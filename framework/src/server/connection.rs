@@ -269,10 +269,12 @@ impl Connection {
             self.chan.set_twin(ours);
             let chan = self.chan.clone();
             let span = tracing::Span::current();
+            let slice = self.config.thread_slice;
             self.twin_thread = Some(
                 std::thread::Builder::new()
                     .name("umdev-twin".into())
                     .spawn(move || {
+                        super::slice::apply(slice, "umdev-twin");
                         let _e = span.enter();
                         chan.run_twin_reader(reader)
                     })

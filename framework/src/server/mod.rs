@@ -41,6 +41,7 @@ mod refuse;
 pub mod remote_dma;
 mod running;
 pub mod signals;
+pub mod slice;
 pub mod socket_io;
 
 pub use channel::{BacklogLimits, BacklogUsage};
@@ -48,3 +49,4 @@ pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
 pub use running::{RunningServer, Server, ShutdownHandle};
 pub use signals::TerminationSignals;
+pub use slice::{set_thread_slice, DEFAULT_THREAD_SLICE};

@@ -441,9 +441,11 @@ fn accept_loop(
         let attached = AttachedGuard(state.clone());
         let conn = Connection::new(chan.clone(), device.clone(), dma.clone(), config.clone());
         let span = span.clone();
+        let slice = config.thread_slice;
         match std::thread::Builder::new()
             .name("umdev-conn".into())
             .spawn(move || {
+                super::slice::apply(slice, "umdev-conn");
                 let _attached = attached;
                 let _e = span.enter();
                 conn.run()
