@@ -114,8 +114,9 @@
 //! unchanged (that is its weight, i.e. its nice value), only its latency: a fetcher runs
 //! for microseconds and sleeps. No privilege is needed. [`RenderEngine::set_fetcher_slice`]
 //! changes it (or turns it off) for fetchers that start afterwards. The connection thread
-//! that receives the doorbell write is the other wake-up on this path; it asks for the
-//! same slice (`umdev::server::ServerConfig::thread_slice`).
+//! that receives the doorbell write is the other wake-up on this path; it can ask for the
+//! same slice (`umdev::server::ServerConfig::thread_slice`, off by default: no gain was
+//! measured there).
 //!
 //! # Panics
 //!

@@ -368,8 +368,7 @@ struct Fetcher {
 impl Fetcher {
     fn run(self, rx: Receiver<()>) {
         // A latency path: a short slice, so that a doorbell on a busy host does not wait a
-        // CPU-bound thread's slice (engine.rs, "Priority"; the connection thread that
-        // rings the doorbell asks for one too, `ServerConfig::thread_slice`).
+        // CPU-bound thread's slice (engine.rs, "Priority").
         if let Some(slice) = self.engine.fetcher_slice() {
             if let Err(e) = umdev::server::set_thread_slice(slice) {
                 tracing::debug!(error = %e, ?slice, "gpu: the fetcher's time slice was refused");

@@ -63,9 +63,9 @@ pub struct ServerConfig {
     /// The time slice the connection thread (and the twin-socket reader) ask the kernel
     /// for when they start ([`super::slice`]): a short slice lets a thread woken by a
     /// message preempt CPU-bound threads on a busy host (Linux ≥ 6.12), so a guest's
-    /// trapped access does not wait milliseconds for a CPU. Default
-    /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs); `None`: the
-    /// kernel's default.
+    /// trapped access does not wait milliseconds for a CPU. Default `None` (the kernel's
+    /// default slice: no gain was measured, see [`super::slice`]);
+    /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs) is the value to try.
     pub thread_slice: Option<Duration>,
 }
 
@@ -87,7 +87,7 @@ impl ServerConfig {
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
             allow_any_file_maps: false,
-            thread_slice: Some(super::DEFAULT_THREAD_SLICE),
+            thread_slice: None,
         }
     }
 

@@ -6,10 +6,17 @@
 //! for a CPU-bound thread's slice to end before it runs; with Linux ≥ 6.12's EEVDF a
 //! thread that asks for a *shorter* slice gets an earlier deadline and preempts such a
 //! thread when it wakes. Its share of CPU time does not change (that is its weight, the
-//! nice value), only its latency. Measured with `umdev bench instances --only fairness
-//! --busy-threads 2` (docs/benchmarks.md): the p90 of an idle GPU instance's FENCE latency
-//! beside flooders on a busy host fell from 4.9–8.4× to 1.2–1.6× its unloaded latency when
-//! the connection threads asked for 100 µs.
+//! nice value), only its latency.
+//!
+//! Measured with `umdev bench instances --only fairness --busy-threads 2 --conn-slice-us
+//! 0|100` (six alternating runs on a 2-core machine that was also compiling; logs in
+//! docs/benchmarks.md): the idle GPU instance's FENCE latency beside flooders on the busy
+//! host was the same either way (median ratio 1.0–1.9× both, p90 3.4–11× with 100 µs and
+//! 3.6–49× without; the tail comes from the client's and the flooders' threads as much as
+//! from this one). So the server does not ask for a slice by default; a deployment whose
+//! measurements show a gain sets [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice).
+//! The GPU's fetcher threads, where a gain was measured, ask for one
+//! (`umdev_devices::gpu::engine`, "Priority").
 //!
 //! [`set_thread_slice`] asks for a slice for the calling thread (`sched_setattr`,
 //! SCHED_OTHER with `sched_runtime` = the slice, the nice value kept; the kernel clamps it
@@ -20,8 +27,8 @@
 use std::io;
 use std::time::Duration;
 
-/// Default of [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice): 100 µs,
-/// the shortest slice Linux accepts.
+/// A short slice: 100 µs, the shortest Linux accepts (the GPU fetchers' default, and the
+/// value to try for [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice)).
 pub const DEFAULT_THREAD_SLICE: Duration = Duration::from_micros(100);
 
 /// `struct sched_attr` of `sched_setattr(2)`, its first version (48 bytes).
