@@ -12,6 +12,7 @@ mod gpu_dma;
 mod gpu_kit;
 mod hello;
 mod mem;
+mod mmio;
 mod pci;
 mod report;
 mod uio;
@@ -30,6 +31,11 @@ const SCENARIOS: &[Scenario] = &[
         "hello",
         "the hello example's counter reaches 42, one INTx per doorbell",
         hello::run,
+    ),
+    (
+        "mmio-latency",
+        "timed reads/writes of a umdev register (hello) and of QEMU's built-in edu device",
+        mmio::run,
     ),
     (
         "gpu",

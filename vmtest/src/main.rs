@@ -54,6 +54,9 @@ struct Plan {
     host_checks: Option<HostChecks>,
     /// Needs a QEMU with the vfio-user unplug fix (`qemu_unplug.rs`); skipped without.
     needs_unplug_fix: bool,
+    /// QEMU's own devices added to the guest (`-device` values), e.g. `edu` as the
+    /// in-process anchor of the `mmio-latency` scenario.
+    builtin: &'static [&'static str],
 }
 
 /// Host-side checks of a run, from the guest's console and the stopped servers.
@@ -68,9 +71,18 @@ const PLANS: &[Plan] = &[
         viommu: false,
         allow_reboot: false,
         servers: Servers::Processes(&[Kind::Hello, Kind::Gpu, Kind::Ccw]),
-        scenarios: &["hello", "gpu", "gpu-bme", "ccw", "ccw-intx", "ccw-bme"],
+        scenarios: &[
+            "hello",
+            "mmio-latency",
+            "gpu",
+            "gpu-bme",
+            "ccw",
+            "ccw-intx",
+            "ccw-bme",
+        ],
         host_checks: None,
         needs_unplug_fix: false,
+        builtin: &["edu"],
     },
     Plan {
         name: "plain",
@@ -82,6 +94,7 @@ const PLANS: &[Plan] = &[
         scenarios: &["hello", "gpu-plain", "ccw-plain"],
         host_checks: None,
         needs_unplug_fix: false,
+        builtin: &[],
     },
     Plan {
         name: "viommu",
@@ -93,6 +106,7 @@ const PLANS: &[Plan] = &[
         scenarios: &["gpu-viommu"],
         host_checks: Some(viommu_checks),
         needs_unplug_fix: false,
+        builtin: &[],
     },
     Plan {
         name: "unplug",
@@ -105,6 +119,7 @@ const PLANS: &[Plan] = &[
         scenarios: &["unplug", "unplug-busy"],
         host_checks: None,
         needs_unplug_fix: true,
+        builtin: &[],
     },
 ];
 
@@ -271,6 +286,7 @@ fn kvm_works(args: &Args, work: &Path) -> bool {
         viommu: false,
         allow_reboot: false,
         devices: vec![],
+        builtin: vec![],
         append: "earlyprintk=ttyS0".into(),
         timeout: Duration::from_secs(20),
         echo: false,
@@ -340,6 +356,7 @@ fn vm<'a>(
         viommu: plan.viommu,
         allow_reboot: plan.allow_reboot,
         devices,
+        builtin: plan.builtin.iter().map(|b| b.to_string()).collect(),
         append: format!("umdev.scenarios={}", selected(plan, args).join(",")),
         timeout: Duration::from_secs(args.timeout),
         echo: args.verbose,

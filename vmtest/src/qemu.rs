@@ -88,6 +88,8 @@ pub struct Vm<'a> {
     pub allow_reboot: bool,
     /// The `vfio-user-pci` devices, in this order on the command line.
     pub devices: Vec<Attach>,
+    /// QEMU's own devices to add (`-device` values, e.g. `edu`), after the vfio-user ones.
+    pub builtin: Vec<String>,
     /// A QMP monitor on this unix socket (QEMU creates it).
     pub qmp: Option<PathBuf>,
     /// Extra kernel command line.
@@ -219,6 +221,9 @@ impl Vm<'_> {
                     d.socket.display()
                 ),
             ]);
+        }
+        for b in &self.builtin {
+            c.args(["-device", b]);
         }
         if let Some(q) = &self.qmp {
             c.arg("-qmp")
