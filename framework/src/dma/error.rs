@@ -153,7 +153,8 @@ pub enum DmaError {
         "DMA_MAP fd refused: {what} (filesystem magic {magic:#x}); only memfd, shmem/tmpfs \
          (/dev/shm) and hugetlbfs files are accepted, since faults on other files are served by \
          someone a client may control (e.g. a FUSE daemon) and would stall device threads; \
-         ServerConfig::allow_any_file_maps lifts this for trusted clients"
+         ServerConfig::allow_any_file_maps (`umdev run --allow-any-file-maps`) lifts this for \
+         trusted clients, e.g. QEMU with memory-backend-file on a disk filesystem"
     )]
     BackingRefused {
         /// What the file is (a filesystem name, or "not a regular file").
