@@ -36,9 +36,12 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::client::{self, ClientError, Common};
-use super::protocol::{ControlError, ErrorKind, Reply, Request, StartedReply};
-use super::{paths, render};
+use umdev::daemon::client::{self, ClientError};
+use umdev::daemon::paths;
+use umdev::daemon::protocol::{ControlError, ErrorKind, Reply, Request, StartedReply};
+
+use super::client::Common;
+use super::render;
 use crate::CliResult;
 
 /// Arguments of `umdev migrate`.

@@ -20,9 +20,9 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
+use crate::server::listener::SocketListener;
 use sd_notify::NotifyState;
 use tracing::warn;
-use umdev::server::listener::SocketListener;
 
 /// Why the inherited control socket cannot be used.
 #[derive(Debug, thiserror::Error)]
