@@ -80,6 +80,7 @@ pub mod definitions;
 pub mod paths;
 pub mod protocol;
 mod service;
+mod stop;
 pub mod systemd;
 
 use std::fs::{File, OpenOptions};
@@ -98,6 +99,7 @@ use crate::server::{ServerError, TerminationSignals};
 
 use protocol::ControlError;
 use service::MigrationCheck;
+pub use stop::StopHandle;
 
 /// An error a parent factory ([`DaemonBuilder::parent_with`]) returns.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -232,7 +234,7 @@ pub struct Daemon {
 }
 
 /// How to build a parent once the directories are known ([`DaemonBuilder::parent_with`]).
-type ParentFactory = Box<dyn FnOnce(&DaemonDirs) -> Result<Arc<dyn Parent>, BoxError>>;
+type ParentFactory = Box<dyn FnOnce(&DaemonDirs) -> Result<Arc<dyn Parent>, BoxError> + Send>;
 
 /// A parent, or how to build it.
 enum ParentSource {
@@ -247,6 +249,7 @@ pub struct DaemonBuilder {
     inherited: Option<SocketListener>,
     parents: Vec<ParentSource>,
     migration_checks: Vec<MigrationCheck>,
+    stop: StopHandle,
 }
 
 impl std::fmt::Debug for DaemonBuilder {
@@ -276,6 +279,7 @@ impl Daemon {
             inherited: None,
             parents: Vec::new(),
             migration_checks: Vec::new(),
+            stop: StopHandle::default(),
         }
     }
 }
@@ -294,7 +298,7 @@ impl DaemonBuilder {
     /// [`DaemonError::Parent`]).
     pub fn parent_with<F>(mut self, build: F) -> DaemonBuilder
     where
-        F: FnOnce(&DaemonDirs) -> Result<Arc<dyn Parent>, BoxError> + 'static,
+        F: FnOnce(&DaemonDirs) -> Result<Arc<dyn Parent>, BoxError> + Send + 'static,
     {
         self.parents.push(ParentSource::Factory(Box::new(build)));
         self
@@ -326,8 +330,18 @@ impl DaemonBuilder {
         Ok(self)
     }
 
-    /// Serve until SIGINT or SIGTERM (SIGHUP re-reads the definitions); then stop every
-    /// instance and return. The steps: the module documentation's "Lifecycle".
+    /// A handle that stops the daemon from another thread as SIGTERM does: for a program
+    /// that runs it on a thread of its own (a test).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// Serve until SIGINT or SIGTERM (SIGHUP re-reads the definitions) or
+    /// [`StopHandle::stop`]; then stop every instance and return. The steps: the module
+    /// documentation's "Lifecycle".
+    ///
+    /// Run it on the thread that called [`Daemon::builder`] or on one started after it,
+    /// which has the signals blocked.
     pub fn run(self) -> Result<(), DaemonError> {
         let DaemonBuilder {
             config,
@@ -335,6 +349,7 @@ impl DaemonBuilder {
             inherited,
             parents,
             migration_checks,
+            stop,
         } = self;
         let control_path = config
             .control
@@ -433,7 +448,11 @@ impl DaemonBuilder {
         };
         systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status("serving"))]);
 
+        let waiting = stop.begin_wait();
         let sig = loop {
+            if !waiting {
+                break libc::SIGTERM;
+            }
             match signals.wait() {
                 libc::SIGHUP => {
                     systemd::notify_reloading();
@@ -455,6 +474,7 @@ impl DaemonBuilder {
                 sig => break sig,
             }
         };
+        stop.end_wait();
         systemd::notify(&[
             NotifyState::Stopping,
             NotifyState::Status("stopping: every instance is stopped"),
