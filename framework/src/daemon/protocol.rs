@@ -1,4 +1,5 @@
-//! The control protocol between `umdev daemon` and the client commands: one request and one
+//! The control protocol between a daemon (`umdev daemon`, or any built on [`crate::daemon`])
+//! and its clients (`umdev`'s client commands, [`super::client`]): one request and one
 //! response per connection on the control socket, each one JSON text followed by a newline.
 //!
 //! ```text
