@@ -1,5 +1,6 @@
 //! The client side of the control socket: send one request to a daemon and read its
-//! answer ([`call`], [`call_with_payload`]). `umdev`'s client commands (`umdev types`,
+//! answer ([`call`], [`call_with_payload`]), and move an instance between two daemons
+//! ([`migrate`]). `umdev`'s client commands (`umdev types`,
 //! `list`, `create`, ..., `migrate`) are these calls with a command line and a table around
 //! them; a program of its own talks to any daemon built on [`crate::daemon`] the same way.
 //!
@@ -15,6 +16,8 @@
 //! }
 //! # Ok::<(), client::ClientError>(())
 //! ```
+
+pub mod migrate;
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
