@@ -17,6 +17,12 @@
 //! (standing in for QEMU and a guest driver). Pass `--serve PATH` to only serve the device,
 //! e.g. for QEMU 10.1+ (see the README for the command line).
 //!
+//! `--daemon --state-dir DIR --socket-dir DIR [--control PATH]` serves the parent from a
+//! daemon (`umdev::daemon`: definitions kept across restarts, a control socket, autostart,
+//! migration, systemd) until Ctrl-C; `umdev`'s client commands drive it:
+//! `UMDEV_CONTROL=<socket-dir>/control.sock umdev create --type hello --auto`, `umdev list`,
+//! `umdev remove UUID`.
+//!
 //! The test at the end is how a device author tests a device with `umdev::testing`
 //! (`[dev-dependencies] umdev = { ..., features = ["testing"] }`); it runs with
 //! `cargo test --example hello` and with `cargo test --workspace`.
@@ -24,6 +30,7 @@ use std::{env, path::PathBuf, sync::Arc, time::Duration};
 
 use crossbeam_channel::Sender;
 
+use umdev::daemon::{Daemon, DaemonBuilder, DaemonConfig};
 use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaHandle, DmaSpace};
 use umdev::instance::{
@@ -197,6 +204,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let args: Vec<String> = env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--daemon") {
+        return Ok(daemon(daemon_config(&args[2..])?).run()?);
+    }
     let serve_only = args.get(1).map(String::as_str) == Some("--serve");
     let dir = tempfile::tempdir()?;
     let socket = match args.get(2) {
@@ -243,9 +253,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// The hello parent served from a daemon: all it takes. Call it before any thread starts
+/// (it blocks the signals the daemon waits for).
+fn daemon(config: DaemonConfig) -> DaemonBuilder {
+    Daemon::builder(config).parent(Arc::new(HelloParent))
+}
+
+/// The daemon's directories from `--state-dir DIR --socket-dir DIR [--control PATH]`.
+fn daemon_config(flags: &[String]) -> Result<DaemonConfig, String> {
+    let (mut state, mut sockets, mut control) = (None, None, None);
+    let mut flags = flags.iter();
+    while let Some(flag) = flags.next() {
+        let value = flags.next().map(PathBuf::from);
+        let slot = match flag.as_str() {
+            "--state-dir" => &mut state,
+            "--socket-dir" => &mut sockets,
+            "--control" => &mut control,
+            _ => return Err(format!("unknown flag {flag:?}")),
+        };
+        *slot = Some(value.ok_or_else(|| format!("{flag} needs a value"))?);
+    }
+    let (Some(state), Some(sockets)) = (state, sockets) else {
+        return Err("--daemon needs --state-dir DIR and --socket-dir DIR".into());
+    };
+    let mut config = DaemonConfig::new(state, sockets);
+    config.control = control;
+    Ok(config)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use umdev::daemon::client::{self, ClientError};
+    use umdev::daemon::protocol::{Reply, Request};
     use umdev::testing::{FdlessMemory, TestServer};
 
     #[test]
@@ -328,6 +368,91 @@ mod tests {
         }
         registry.remove(&instances[0].uuid, false)?;
         assert_eq!(registry.types()[0].available_instances, 1);
+        Ok(())
+    }
+
+    /// `request` to the daemon on `control`, once it answers (it binds its socket first).
+    fn call(control: &std::path::Path, request: &Request) -> Result<Reply, ClientError> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match client::call(control, request) {
+                Err(ClientError::NoDaemon { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                result => return result,
+            }
+        }
+    }
+
+    #[test]
+    fn test_hello_daemon_create_attach_remove_definition_survives_restart(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = |p: &str| dir.path().join(p).to_string_lossy().into_owned();
+        let flags = [
+            "--state-dir".into(),
+            path("state"),
+            "--socket-dir".into(),
+            path("sockets"),
+        ];
+        let control = dir.path().join("sockets/control.sock");
+        // The daemon on a thread of its own, stopped through its handle (as by SIGTERM).
+        let start = || {
+            let builder = daemon(daemon_config(&flags).unwrap());
+            let stop = builder.stop_handle();
+            (stop, std::thread::spawn(move || builder.run()))
+        };
+        let (stop, served) = start();
+
+        // A definition with autostart, started now: `umdev create --type hello --auto`.
+        let create = Request::Create {
+            type_spec: "hello".into(),
+            uuid: None,
+            params: Params::new(),
+            auto: true,
+        };
+        let Reply::Started(started) = call(&control, &create)? else {
+            panic!("create did not start an instance");
+        };
+        let uuid = started.instance.uuid.clone();
+        assert!(started.definition.is_some());
+        // The instance serves like any hello: a doorbell counts in guest memory.
+        let mut vmm = Vmm::connect(&started.instance.socket)?.with_ram(1 << 30, 1 << 20)?;
+        vmm.enable_device()?;
+        vmm.write64(0, REG_ADDR, 1 << 30)?;
+        vmm.write32(0, REG_DOORBELL, 42)?;
+        let counted = || vmm.ram().read_u64(1 << 30).ok() == Some(42);
+        assert!(umdev::testing::wait_until(Duration::from_secs(2), counted));
+        drop(vmm);
+        stop.stop();
+        served.join().unwrap()?;
+
+        // A new daemon on the same directories: the definition is back, started.
+        let (stop, served) = start();
+        let Reply::Instances(running) = call(&control, &Request::List { defined: false })? else {
+            panic!("list did not list instances");
+        };
+        assert_eq!(running.instances.len(), 1);
+        assert_eq!(running.instances[0].uuid, uuid);
+        assert!(running.instances[0].autostart);
+        let mut vmm = Vmm::connect(&running.instances[0].socket)?;
+        assert_eq!(vmm.read32(0, REG_ID)?, MAGIC);
+        drop(vmm);
+        // `umdev remove UUID`: stopped, and its definition deleted.
+        let remove = Request::Remove {
+            uuid: uuid.clone(),
+            force: false,
+        };
+        let Reply::Removed(removed) = call(&control, &remove)? else {
+            panic!("remove did not remove");
+        };
+        assert!(removed.stopped.is_some() && removed.undefined.is_some());
+        let Reply::Definitions(defs) = call(&control, &Request::List { defined: true })? else {
+            panic!("list --defined did not list definitions");
+        };
+        assert!(defs.definitions.is_empty());
+        stop.stop();
+        served.join().unwrap()?;
         Ok(())
     }
 }

@@ -63,7 +63,7 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 fn test_units_verify_clean_and_match_daemon_defaults() {
     let service = unit("umdev.service");
     let socket = unit("umdev.socket");
-    // The daemon's root defaults (src/daemon/paths.rs) are what the units set up.
+    // The daemon's root defaults (umdev::daemon::paths) are what the units set up.
     assert_eq!(
         setting(&socket, "ListenStream"),
         Some("/run/umdev/control.sock")

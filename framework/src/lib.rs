@@ -55,11 +55,16 @@
 //! - [`irq`]: eventfd triggering and masking.
 //! - [`instance`]: parents, types and instances (the mdev model), above `server`.
 //! - [`migration`]: live migration: device states, what a device does to migrate, state encoding.
+//! - `daemon` (the `daemon` feature, on by default): the daemon as a library: definitions, a
+//!   control socket, lifecycle, migration between daemons and systemd for any set of
+//!   parents, above `instance` (`umdev daemon` is it with the example parents).
 //!
 //! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
 //! temp-dir socket and drive it with an embedded VMM (see its module documentation).
 #![deny(missing_docs)]
 
+#[cfg(feature = "daemon")]
+pub mod daemon;
 pub mod device;
 pub mod dma;
 // The guide's examples use the test harness; the module holds only documentation. Without

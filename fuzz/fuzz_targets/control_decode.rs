@@ -1,4 +1,4 @@
-//! Fuzz the daemon's control-protocol decoder (`src/daemon/protocol.rs`, the same file):
+//! Fuzz the daemon's control-protocol decoder (`umdev::daemon::protocol`):
 //! the input is what a control client sends, a JSON line and the payload it announces;
 //! byte 0 chooses the reader's buffer size, so the line and the payload split anywhere.
 //! Decoding must never panic; a decoded request's payload is exactly what it announces and

@@ -1,6 +1,6 @@
-//! Shared pieces of the umdev fuzz targets: the wire tests' test device and the daemon's
-//! control protocol (the same source files), and a one-connection server harness over a
-//! socketpair.
+//! Shared pieces of the umdev fuzz targets: the wire tests' test device (the same source
+//! file), the daemon's control protocol (`umdev::daemon::protocol`), and a one-connection
+//! server harness over a socketpair.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -14,11 +14,8 @@ use umdev::server::channel::Channel;
 use umdev::server::connection::Connection;
 use umdev::server::ServerConfig;
 
-/// The daemon's control protocol: `src/daemon/protocol.rs` of the `umdev` binary, the same
-/// file (the binary's modules are not a library).
-#[path = "../../src/daemon/protocol.rs"]
-#[allow(dead_code)]
-pub mod control_protocol;
+/// The daemon's control protocol: `umdev::daemon::protocol`.
+pub use umdev::daemon::protocol as control_protocol;
 
 #[path = "../../tests/common/test_device.rs"]
 #[allow(dead_code)]

@@ -1,4 +1,4 @@
-//! The daemon's directories (the defaults of `umdev daemon`, `crate::daemon::paths`) and
+//! The daemon's directories (the defaults of `umdev daemon`, `umdev::daemon::paths`) and
 //! whether a daemon already serves the state directory.
 
 use std::ffi::CString;
@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
 use super::{CheckArgs, Finding, Status};
-use crate::daemon::paths;
+use umdev::daemon::paths;
 
 /// The state directory, the socket directory and the control socket `umdev daemon` would
 /// use with the same options.

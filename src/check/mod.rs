@@ -48,7 +48,7 @@ pub struct CheckArgs {
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
     /// The control socket to try [default: <socket-dir>/control.sock].
-    #[arg(long, value_name = "PATH", env = crate::daemon::paths::CONTROL_ENV)]
+    #[arg(long, value_name = "PATH", env = umdev::daemon::paths::CONTROL_ENV)]
     pub control: Option<PathBuf>,
     /// The daemon's --max-instances the map budget is checked against.
     #[arg(long, value_name = "N", default_value_t = 1024)]

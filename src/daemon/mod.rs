@@ -1,68 +1,30 @@
 //! `umdev daemon` and the client commands that talk to it (`umdev types`, `list`, `create`,
 //! `define`, `undefine`, `start`, `stop`, `remove`, and `migrate` between two daemons:
-//! [`migrate`]): many instances in one process, kept across restarts, in the style of
-//! mdevctl.
+//! [`migrate`]): the command line around the daemon library [`umdev::daemon`].
 //!
-//! The daemon owns one [`Registry`] with the GPU parent (a framebuffer pool and one render
-//! engine shared by its instances) and the ccw parent (an image directory under the state
-//! directory), each instance served on `<socket-dir>/<uuid>.sock`. Its files:
-//!
-//! | path | what |
-//! |---|---|
-//! | `<state-dir>/definitions/<uuid>.json` | one definition per instance ([`definitions`]) |
-//! | `<state-dir>/ccw-images/` | the ccw instances' images |
-//! | `<state-dir>/daemon.lock` | held (`flock`) while a daemon uses the state directory |
-//! | `<socket-dir>/control.sock` | the control socket, mode 0600 ([`control`], [`protocol`]) |
-//! | `<socket-dir>/<uuid>.sock` | an instance's vfio-user socket, mode 0600 |
-//!
-//! Both directories are created with mode 0700 if missing and must belong to the daemon's
-//! user and not be writable by others ([`paths`]).
-//!
-//! # Lifecycle of the process
-//! 1. Block SIGINT/SIGTERM/SIGHUP and take a socket-activated control socket, if one was
-//!    passed ([`systemd`]), before any thread starts; check the directories; take the
-//!    state directory's lock (a second daemon on it is refused); bind the control socket
-//!    unless one was passed (a live daemon's socket is never replaced).
-//! 2. Register the parents; load the definitions (a malformed file is logged, skipped, and
-//!    reported by `umdev list --defined`); start the autostart ones (a failure is logged and
-//!    reported the same way).
-//! 3. Tell the service manager `READY=1` ([`systemd`]); answer control requests
-//!    ([`service`] has what each does) until SIGINT or SIGTERM; on SIGHUP re-read the
-//!    definitions (`service::reload`: new autostart ones started, nothing running stopped).
-//! 4. Stop taking requests (the control socket is removed), wait a bounded time for the ones
-//!    in hand, then stop every instance at once: attached clients are disconnected without
-//!    the device-request IRQ (the daemon is going away, not the devices: a QEMU asked to
-//!    unplug would drop the device from the guest for good, and a stock QEMU 10.2.2 aborts
-//!    doing so), their teardown releases every map and pin, and the log says what each
-//!    instance released. Definitions stay for the next start.
-//!
-//! [`Registry`]: umdev::instance::Registry
+//! `umdev daemon` is that library with two parents of `umdev-devices`: the GPU parent (a
+//! framebuffer pool and one render engine shared by its instances) and the ccw parent (an
+//! image directory, `<state-dir>/ccw-images/`, which it keeps private like the rest of the
+//! state). Everything else (directories, definitions, the control socket, lifecycle,
+//! autostart, migration, systemd) is the library's; here are its flags ([`DaemonArgs`]),
+//! the ccw parent's migration check, and the client commands' rendering ([`client`],
+//! [`render`], [`table`]). The client commands read what the daemon reports (its parents
+//! and types), so they talk to any daemon built on the library, not only this one.
 
 pub mod client;
-mod control;
-mod definitions;
-mod migrate;
-pub(crate) mod paths;
-mod protocol;
+pub mod migrate;
 mod render;
-mod service;
-mod systemd;
 mod table;
 
-use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sd_notify::NotifyState;
-use tracing::{info, warn};
-use umdev::instance::{InstanceError, Parent, Registry, RegistryConfig};
-use umdev::server::listener::SocketListener;
-use umdev::server::ServerError;
-use umdev::server::TerminationSignals;
-use umdev_devices::ccw::parent::CcwParentError;
+use umdev::daemon::paths;
+use umdev::daemon::protocol::{ControlError, ErrorKind};
+use umdev::daemon::{BoxError, Daemon, DaemonConfig, DaemonDirs};
+use umdev::instance::{InstanceInfo, Parent};
+use umdev_devices::ccw::parent::{CcwParentError, PARAM_IMAGE};
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;
 use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType};
@@ -174,242 +136,92 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     })
 }
 
-/// Why the daemon could not start or stop cleanly.
+/// Why a parent of `umdev daemon` could not be built (the message `umdev daemon` printed
+/// before the daemon was a library).
 #[derive(Debug, thiserror::Error)]
-enum DaemonError {
-    #[error(transparent)]
-    Dir(#[from] paths::DirError),
-    #[error("state directory {}: cannot take its lock {}", dir.display(), lock.display())]
-    Lock {
-        dir: PathBuf,
-        lock: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error(
-        "state directory {} is in use by another umdev daemon (it holds {})",
-        dir.display(),
-        lock.display()
-    )]
-    StateInUse { dir: PathBuf, lock: PathBuf },
-    #[error("another umdev daemon is running on {}", .0.display())]
-    ControlInUse(PathBuf),
-    #[error("control socket {}", path.display())]
-    Control {
-        path: PathBuf,
-        #[source]
-        source: ServerError,
-    },
+enum ParentError {
     #[error("the GPU parent's configuration")]
     Gpu(#[source] GpuParentError),
     #[error("the ccw parent's configuration")]
     Ccw(#[source] CcwParentError),
-    #[error("setting up the registry")]
-    Registry(#[source] InstanceError),
-    #[error(transparent)]
-    Store(#[from] definitions::StoreError),
-    #[error("starting the control server")]
-    Spawn(#[source] std::io::Error),
-    #[error(transparent)]
-    Activation(#[from] systemd::ActivationError),
-    #[error("{0} instance(s) could not be stopped (a device stuck in a call; see the log)")]
-    NotStopped(usize),
 }
 
-/// Take the state directory's lock: held (by the open file) until the daemon exits.
-fn lock_state_dir(dir: &Path) -> Result<File, DaemonError> {
-    let lock = dir.join("daemon.lock");
-    let err = |source| DaemonError::Lock {
-        dir: dir.to_path_buf(),
-        lock: lock.clone(),
-        source,
-    };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&lock)
-        .map_err(err)?;
-    // SAFETY: flock on a file descriptor we own; it changes no memory.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(DaemonError::StateInUse {
-                dir: dir.to_path_buf(),
-                lock,
-            });
-        }
-        return Err(err(e));
-    }
-    Ok(file)
-}
-
-/// Entry point of `umdev daemon`.
-pub fn run(args: DaemonArgs) -> CliResult {
-    // Before any thread starts, so that sigwait below gets them.
-    let signals = TerminationSignals::block_with_hangup();
-    // SAFETY: no thread has been spawned yet (the signals are blocked first, the logger
-    // starts none), so clearing LISTEN_FDS/LISTEN_PID races nothing.
-    let inherited = unsafe { systemd::inherited_control() }?;
-    let state_dir = args
-        .state_dir
-        .clone()
-        .unwrap_or_else(paths::default_state_dir);
-    let socket_dir = args
-        .socket_dir
-        .clone()
-        .unwrap_or_else(paths::default_socket_dir);
-    let control_path = args
-        .control
-        .clone()
-        .unwrap_or_else(|| socket_dir.join(paths::CONTROL_SOCKET));
-    // Absolute from here on: the paths printed (QEMU lines, logs) work from any directory.
-    let state_dir = paths::ensure_private_dir(&state_dir).map_err(DaemonError::from)?;
-    let socket_dir = paths::ensure_private_dir(&socket_dir).map_err(DaemonError::from)?;
-    let control_dir = control_path.parent().filter(|d| !d.as_os_str().is_empty());
-    let control_path = match (control_dir, control_path.file_name()) {
-        (Some(dir), Some(name)) => paths::ensure_private_dir(dir)
-            .map_err(DaemonError::from)?
-            .join(name),
-        _ => std::env::current_dir()
-            .map(|cwd| cwd.join(&control_path))
-            .unwrap_or(control_path),
-    };
-    let _lock = lock_state_dir(&state_dir)?;
-    let listener = match inherited {
-        Some(l) => {
-            info!(control = %l.path().display(), "control socket passed by the service manager (socket activation)");
-            l
-        }
-        None => SocketListener::bind(&control_path, 0o600).map_err(|e| match e {
-            ServerError::SocketInUse(p) => DaemonError::ControlInUse(p),
-            source => DaemonError::Control {
-                path: control_path.clone(),
-                source,
-            },
-        })?,
-    };
-    let control_path = listener.path().to_path_buf();
-
-    let gpu_types = if args.gpu_types.is_empty() {
+/// The GPU parent of `args`.
+fn gpu_parent(args: &DaemonArgs) -> Result<Arc<dyn Parent>, BoxError> {
+    let types = if args.gpu_types.is_empty() {
         GpuParentConfig::default().types
     } else {
         args.gpu_types.clone()
     };
     let gpu = GpuParent::new(GpuParentConfig {
         pool_mib: args.gpu_pool_mib,
-        types: gpu_types,
+        types,
         engine_nice: args.gpu_engine_nice.nice(),
     })
-    .map_err(DaemonError::Gpu)?;
+    .map_err(ParentError::Gpu)?;
+    Ok(Arc::new(gpu))
+}
+
+/// The ccw parent of `args`, its images in `<state-dir>/ccw-images/`.
+fn ccw_parent(args: &DaemonArgs, dirs: &DaemonDirs) -> Result<Arc<dyn Parent>, BoxError> {
     // Guest data: private like the rest of the state.
-    let images = state_dir.join("ccw-images");
-    paths::ensure_private_dir(&images).map_err(DaemonError::from)?;
-    let mut ccw_config = CcwParentConfig::new(images);
-    ccw_config.budget_mib = args.ccw_budget_mib;
+    let images = paths::ensure_private_dir(&dirs.state_dir.join("ccw-images"))?;
+    let mut config = CcwParentConfig::new(images);
+    config.budget_mib = args.ccw_budget_mib;
     if !args.ccw_types.is_empty() {
-        ccw_config.types = args.ccw_types.clone();
+        config.types = args.ccw_types.clone();
     }
-    let ccw = CcwParent::new(ccw_config).map_err(DaemonError::Ccw)?;
-    let mut config = RegistryConfig::new(&socket_dir);
+    Ok(Arc::new(CcwParent::new(config).map_err(ParentError::Ccw)?))
+}
+
+/// A ccw instance migrates only if it names its image: its default image is `<uuid>.img`
+/// in this daemon's image directory, which the state does not carry (the destination would
+/// start on an empty image).
+fn ccw_migration_check(info: &InstanceInfo) -> Result<(), ControlError> {
+    if info.parent != "ccw" || info.params.contains_key(PARAM_IMAGE) {
+        return Ok(());
+    }
+    let uuid = &info.uuid;
+    Err(ControlError::new(
+        ErrorKind::NotMigratable,
+        format!(
+            "{uuid} keeps its data in the image {uuid}.img of this daemon's image \
+             directory, which a migration does not carry"
+        ),
+    )
+    .hint(
+        "a ccw instance migrates when it names its image (`umdev create --type T \
+         image=NAME`) and the destination's image directory has that image (shared \
+         or copied while the instance is detached)",
+    ))
+}
+
+/// Entry point of `umdev daemon`.
+pub fn run(args: DaemonArgs) -> CliResult {
+    // Before any thread starts, so that the daemon's sigwait gets the signals.
+    let mut config = DaemonConfig::new(
+        args.state_dir
+            .clone()
+            .unwrap_or_else(paths::default_state_dir),
+        args.socket_dir
+            .clone()
+            .unwrap_or_else(paths::default_socket_dir),
+    );
+    config.control = args.control.clone();
     config.release_timeout = args.release_timeout;
     config.max_instances = args.max_instances;
-    let teardown = config.teardown_timeout;
-    let registry = Arc::new(Registry::new(config).map_err(DaemonError::Registry)?);
-    let parents: Vec<Arc<dyn Parent>> = vec![Arc::new(gpu), Arc::new(ccw)];
-    for p in &parents {
-        registry
-            .add_parent(p.clone())
-            .map_err(DaemonError::Registry)?;
-    }
-
-    let store = definitions::Store::open(state_dir.join("definitions"))?;
-    let loaded = store.load()?;
-    let autostart = loaded.definitions.values().filter(|d| d.autostart).count();
-    info!(
-        dir = %store.dir().display(),
-        definitions = loaded.definitions.len(),
-        autostart,
-        broken = loaded.broken.len(),
-        "definitions loaded"
-    );
-    for b in &loaded.broken {
-        warn!(file = %b.path.display(), error = %b.error, "malformed definition file skipped (`umdev list --defined` reports it)");
-    }
-    let service = Arc::new(service::Service::new(
-        registry.clone(),
-        parents,
-        store,
-        loaded,
-    ));
-    let (started, failed) = service.autostart();
-    if autostart > 0 {
-        info!(started, failed, "autostart done");
-    }
-    let control_config = control::ControlConfig {
-        request_timeout: args.control_timeout,
-    };
-    let control = control::Control::spawn(listener, service.clone(), control_config)
-        .map_err(DaemonError::Spawn)?;
-    info!(
-        state = %state_dir.display(),
-        sockets = %socket_dir.display(),
-        control = %control_path.display(),
-        "umdev daemon ready (SIGINT or SIGTERM stops it, SIGHUP reloads the definitions)"
-    );
-    let status = |what: &str| {
-        format!(
-            "{what}; instances running: {}; control socket {}",
-            service.running_count(),
-            control_path.display()
-        )
-    };
-    systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status("serving"))]);
-
-    let sig = loop {
-        match signals.wait() {
-            libc::SIGHUP => {
-                systemd::notify_reloading();
-                let what = match service.reload() {
-                    Some(r) => format!(
-                        "definitions reloaded ({} added, {} changed, {} removed, {} started, \
-                         {} failed to start, {} busy)",
-                        r.added.len(),
-                        r.changed.len(),
-                        r.removed.len(),
-                        r.started,
-                        r.failed,
-                        r.busy.len()
-                    ),
-                    None => "definitions not reloaded: the directory cannot be read".into(),
-                };
-                systemd::notify(&[NotifyState::Ready, NotifyState::Status(&status(&what))]);
-            }
-            sig => break sig,
-        }
-    };
-    systemd::notify(&[
-        NotifyState::Stopping,
-        NotifyState::Status("stopping: every instance is stopped"),
-    ]);
-    info!(signal = sig, "stopping: no more control requests");
-    // A request in hand may be a removal waiting for its client.
-    let drain = args.release_timeout + teardown + Duration::from_secs(1);
-    let in_hand = control.stop(drain);
-    if in_hand > 0 {
-        warn!(
-            in_hand,
-            "control requests still in hand; stopping the instances anyway"
-        );
-    }
-    let not_stopped = service.stop_all();
-    info!("umdev daemon stopped");
-    if not_stopped > 0 {
-        return Err(DaemonError::NotStopped(not_stopped).into());
-    }
+    config.control_timeout = args.control_timeout;
+    let builder = Daemon::builder(config);
+    // SAFETY: no thread has been spawned yet (the logger starts none; the parents are
+    // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.
+    let builder = unsafe { builder.socket_activation() }?;
+    let args = Arc::new(args);
+    let (gpu_args, ccw_args) = (args.clone(), args);
+    builder
+        .parent_with(move |_| gpu_parent(&gpu_args))
+        .parent_with(move |dirs| ccw_parent(&ccw_args, dirs))
+        .migration_check(ccw_migration_check)
+        .run()?;
     Ok(())
 }
 

@@ -4,11 +4,11 @@ use std::fmt::Write;
 
 use umdev::instance::Params;
 
-use super::protocol::{
+use super::table::Table;
+use umdev::daemon::protocol::{
     DefinitionsReply, InstanceRow, InstancesReply, RemovedReply, Reply, Request, StartedReply,
     TypesReply,
 };
-use super::table::Table;
 
 /// The reply as pretty JSON (without the `reply` tag: the command says what it is).
 pub fn json(reply: &Reply) -> String {
@@ -259,7 +259,7 @@ fn removed(request: &Request, r: &RemovedReply) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::daemon::protocol::{DmaRow, InstancesReply};
+    use umdev::daemon::protocol::{DmaRow, InstancesReply};
 
     #[test]
     fn test_started_prints_the_qemu_device_option_as_json() {

@@ -39,8 +39,8 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use crate::instance::Params;
 use serde::{Deserialize, Serialize};
-use umdev::instance::Params;
 
 use super::protocol::BrokenRow;
 

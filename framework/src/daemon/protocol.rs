@@ -1,4 +1,5 @@
-//! The control protocol between `umdev daemon` and the client commands: one request and one
+//! The control protocol between a daemon (`umdev daemon`, or any built on [`crate::daemon`])
+//! and its clients (`umdev`'s client commands, [`super::client`]): one request and one
 //! response per connection on the control socket, each one JSON text followed by a newline.
 //!
 //! ```text
@@ -42,8 +43,8 @@ use std::io::{self, BufRead, Read};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::instance::Params;
 use serde::{Deserialize, Serialize};
-use umdev::instance::Params;
 
 /// The control protocol's version (see the module doc).
 pub const PROTOCOL_VERSION: u32 = 2;
@@ -51,7 +52,7 @@ pub const PROTOCOL_VERSION: u32 = 2;
 pub const MAX_MESSAGE: usize = 1 << 20;
 /// The largest payload after a message (`migrate_load`'s state, `saved`'s): a migration
 /// stream's largest frame and its heads, the largest state `migrate_save` can produce.
-pub const MAX_PAYLOAD: u64 = umdev::migration::stream::MAX_FRAME as u64 + 4096;
+pub const MAX_PAYLOAD: u64 = crate::migration::stream::MAX_FRAME as u64 + 4096;
 /// How long the daemon waits for a connected client's whole request message (and for a
 /// client to take the reply), by default.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -342,8 +343,8 @@ pub struct DmaRow {
     pub leaked_pins_released: u64,
 }
 
-impl From<umdev::dma::DmaStats> for DmaRow {
-    fn from(s: umdev::dma::DmaStats) -> DmaRow {
+impl From<crate::dma::DmaStats> for DmaRow {
+    fn from(s: crate::dma::DmaStats) -> DmaRow {
         DmaRow {
             maps: s.maps,
             pinned_pages: s.pinned_pages,
@@ -399,11 +400,11 @@ pub struct BudgetRow {
     pub backlog_fds: u64,
 }
 
-impl From<&umdev::instance::InstanceInfo> for BudgetRow {
-    fn from(i: &umdev::instance::InstanceInfo) -> BudgetRow {
+impl From<&crate::instance::InstanceInfo> for BudgetRow {
+    fn from(i: &crate::instance::InstanceInfo) -> BudgetRow {
         BudgetRow {
             fd_maps: i.dma.fd_maps,
-            vmas: i.dma.fd_maps * umdev::dma::VMAS_PER_MAP,
+            vmas: i.dma.fd_maps * crate::dma::VMAS_PER_MAP,
             fd_maps_guarantee: i.map_share.0,
             fd_maps_cap: i.map_share.1,
             backlog_messages: i.backlog.messages as u64,
@@ -513,8 +514,8 @@ pub struct RemovalRow {
     pub dma: DmaRow,
 }
 
-impl From<umdev::instance::RemovalReport> for RemovalRow {
-    fn from(r: umdev::instance::RemovalReport) -> RemovalRow {
+impl From<crate::instance::RemovalReport> for RemovalRow {
+    fn from(r: crate::instance::RemovalReport) -> RemovalRow {
         RemovalRow {
             uuid: r.uuid,
             client_was_attached: r.client_was_attached,

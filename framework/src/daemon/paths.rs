@@ -1,9 +1,10 @@
-//! Where the daemon keeps its files by default, where the client commands look for it, and
-//! the check that a directory holding sockets is private.
+//! Where `umdev daemon` keeps its files by default, where the client commands look for it,
+//! and the check that a directory holding sockets is private. A daemon of another program
+//! gives [`DaemonConfig::new`](super::DaemonConfig::new) directories of its own.
 //!
 //! | what | root | other users |
 //! |---|---|---|
-//! | state (definitions, ccw images) | `/var/lib/umdev` | `$XDG_STATE_HOME/umdev`, else `~/.local/state/umdev` |
+//! | state (definitions; `umdev daemon`'s ccw images) | `/var/lib/umdev` | `$XDG_STATE_HOME/umdev`, else `~/.local/state/umdev` |
 //! | sockets (instances, control) | `/run/umdev` | `$XDG_RUNTIME_DIR/umdev`, else `/tmp/umdev-<uid>` |
 //! | control socket | `<sockets>/control.sock` | the same |
 

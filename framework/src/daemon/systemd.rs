@@ -20,9 +20,9 @@ use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
+use crate::server::listener::SocketListener;
 use sd_notify::NotifyState;
 use tracing::warn;
-use umdev::server::listener::SocketListener;
 
 /// Why the inherited control socket cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -89,7 +89,7 @@ fn check_listener(fd: RawFd) -> Result<(), ActivationError> {
 /// # Safety
 /// Call it before any thread is spawned: it clears `LISTEN_FDS`/`LISTEN_PID` with
 /// `std::env::remove_var`, which must not race another thread's reading of the environment.
-pub unsafe fn inherited_control() -> Result<Option<SocketListener>, ActivationError> {
+pub(crate) unsafe fn inherited_control() -> Result<Option<SocketListener>, ActivationError> {
     // SAFETY: the caller guarantees no other thread runs (this function's contract).
     let fds: Vec<RawFd> = unsafe { sd_notify::listen_fds_and_unset_env() }
         .map_err(ActivationError::Env)?
@@ -113,14 +113,14 @@ pub unsafe fn inherited_control() -> Result<Option<SocketListener>, ActivationEr
 }
 
 /// Tell the service manager `states` (nothing without `NOTIFY_SOCKET`); a failure is logged.
-pub fn notify(states: &[NotifyState<'_>]) {
+pub(crate) fn notify(states: &[NotifyState<'_>]) {
     if let Err(e) = sd_notify::notify(states) {
         warn!(error = %e, "cannot notify the service manager (NOTIFY_SOCKET)");
     }
 }
 
 /// `RELOADING=1` with the `MONOTONIC_USEC=` systemd 253 and later want beside it.
-pub fn notify_reloading() {
+pub(crate) fn notify_reloading() {
     match NotifyState::monotonic_usec_now() {
         Ok(now) => notify(&[NotifyState::Reloading, now]),
         Err(_) => notify(&[NotifyState::Reloading]),

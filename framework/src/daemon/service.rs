@@ -39,9 +39,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::instance::{InstanceError, InstanceInfo, Params, Parent, Registry};
 use tracing::{info, warn};
-use umdev::instance::{InstanceError, InstanceInfo, Params, Parent, Registry};
-use umdev_devices::ccw;
 
 use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
 use super::protocol::{
@@ -77,6 +76,11 @@ struct Outgoing {
 /// A payload sent after a reply (a saved state), shared with what the daemon keeps of it.
 pub type Payload = Arc<Vec<u8>>;
 
+/// A parent-specific check of a running instance before `migrate_save` saves its state for
+/// another daemon (`DaemonBuilder::migration_check`): an error refuses the migration with
+/// nothing changed.
+pub type MigrationCheck = Arc<dyn Fn(&InstanceInfo) -> Result<(), ControlError> + Send + Sync>;
+
 /// The registry, the parents registered in it, and the definitions.
 pub struct Service {
     registry: Arc<Registry>,
@@ -85,6 +89,7 @@ pub struct Service {
     defs: Mutex<Defs>,
     claims: Mutex<HashSet<String>>,
     outgoing: Mutex<BTreeMap<String, Outgoing>>,
+    migration_checks: Vec<MigrationCheck>,
 }
 
 /// A UUID claimed by an operation; released on drop.
@@ -193,12 +198,14 @@ fn instance_row(i: InstanceInfo, defs: &Defs) -> InstanceRow {
 
 impl Service {
     /// A service over `registry` (whose parents are `parents`) and the definitions
-    /// `loaded` from `store`.
+    /// `loaded` from `store`; `migration_checks` run before a state is saved for another
+    /// daemon.
     pub fn new(
         registry: Arc<Registry>,
         parents: Vec<Arc<dyn Parent>>,
         store: Store,
         loaded: Loaded,
+        migration_checks: Vec<MigrationCheck>,
     ) -> Service {
         Service {
             registry,
@@ -211,6 +218,7 @@ impl Service {
             }),
             claims: Mutex::new(HashSet::new()),
             outgoing: Mutex::new(BTreeMap::new()),
+            migration_checks,
         }
     }
 
@@ -365,21 +373,8 @@ impl Service {
         let _claim = self.claim(&uuid)?;
         self.check_not_outgoing(&uuid)?;
         let info = self.running(&uuid)?;
-        if info.parent == "ccw" && !info.params.contains_key(ccw::parent::PARAM_IMAGE) {
-            // Its default image is <uuid>.img in this daemon's image directory, which the
-            // state does not carry: the destination would start on an empty image.
-            return Err(ControlError::new(
-                ErrorKind::NotMigratable,
-                format!(
-                    "{uuid} keeps its data in the image {uuid}.img of this daemon's image \
-                     directory, which a migration does not carry"
-                ),
-            )
-            .hint(
-                "a ccw instance migrates when it names its image (`umdev create --type T \
-                 image=NAME`) and the destination's image directory has that image (shared \
-                 or copied while the instance is detached)",
-            ));
+        for check in &self.migration_checks {
+            check(&info)?;
         }
         let state: Payload = Arc::new(
             self.registry
@@ -1128,15 +1123,43 @@ impl Service {
 mod tests {
     use super::reload::ReloadReport;
     use super::*;
-    use umdev::instance::RegistryConfig;
-    use umdev_devices::gpu::{GpuParent, GpuParentConfig};
+    use crate::device::Device;
+    use crate::instance::{CreateRequest, InstanceType, RegistryConfig, Resource};
+    use crate::testing::TrivialDevice;
+
+    /// A parent like the GPU's: a 64 MiB framebuffer pool, one type taking 4 MiB of it.
+    struct Pool;
+
+    impl Parent for Pool {
+        fn name(&self) -> &str {
+            "gpu"
+        }
+        fn resources(&self) -> Vec<Resource> {
+            vec![Resource {
+                name: "framebuffer".into(),
+                unit: "MiB".into(),
+                total: 64,
+            }]
+        }
+        fn types(&self) -> Vec<InstanceType> {
+            vec![InstanceType {
+                name: "gpu-4m".into(),
+                description: "registers".into(),
+                device_api: "vfio-pci".into(),
+                needs: vec![("framebuffer".into(), 4)],
+            }]
+        }
+        fn create(&self, _req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
+            Ok(Box::new(TrivialDevice::default()))
+        }
+    }
 
     fn service(dir: &std::path::Path) -> Service {
         let registry = Arc::new(Registry::new(RegistryConfig::new(dir.join("sockets"))).unwrap());
-        let gpu: Arc<dyn Parent> = Arc::new(GpuParent::new(GpuParentConfig::default()).unwrap());
+        let gpu: Arc<dyn Parent> = Arc::new(Pool);
         registry.add_parent(gpu.clone()).unwrap();
         let store = Store::open(dir.join("definitions")).unwrap();
-        Service::new(registry, vec![gpu], store, Loaded::default())
+        Service::new(registry, vec![gpu], store, Loaded::default(), Vec::new())
     }
 
     #[test]

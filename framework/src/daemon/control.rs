@@ -38,8 +38,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::server::listener::{AcceptBackoff, SocketListener};
 use tracing::{debug, info, warn};
-use umdev::server::listener::{AcceptBackoff, SocketListener};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::protocol::{self, ControlError, DecodeError, ErrorKind, FrameError, Response};
