@@ -772,3 +772,48 @@ fn test_daemon_control_payload_budget_second_large_state_unavailable() {
     (&third).read_to_string(&mut answer).unwrap();
     assert!(answer.contains("cut short: 5 of"), "{answer}");
 }
+
+/// A file on the build machine's disk (the crate's target directory), or None where that
+/// is tmpfs (then every file is acceptable and there is nothing to refuse).
+fn disk_file() -> Option<std::fs::File> {
+    let f = tempfile::tempfile_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    f.set_len(1 << 16).unwrap();
+    // SAFETY: a zeroed struct that fstatfs fills; a valid fd.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(&f), &mut fs) },
+        0
+    );
+    (fs.f_type != libc::TMPFS_MAGIC && fs.f_type != libc::HUGETLBFS_MAGIC).then_some(f)
+}
+
+#[test]
+fn test_daemon_refuses_disk_file_maps_unless_allow_any_file_maps() {
+    use std::os::fd::AsFd;
+    let Some(file) = disk_file() else {
+        eprintln!("SKIPPED: the target directory is on tmpfs");
+        return;
+    };
+    for (flags, allowed) in [(&[][..], false), (&["--allow-any-file-maps"][..], true)] {
+        let d = Daemon::start(flags);
+        let (_uuid, socket) = create(&d, &["--type", "gpu-4m"]);
+        let mut vmm = Vmm::connect(&socket).unwrap();
+        let r = vmm.dma_map_fd(0, 1 << 16, file.as_fd(), 0);
+        if allowed {
+            r.unwrap();
+            assert!(
+                d.log().contains("--allow-any-file-maps"),
+                "the daemon warns at startup: {}",
+                d.log()
+            );
+        } else {
+            let e = r.unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+            // The memfd-backed guest RAM of the harness is still accepted.
+            drop(vmm);
+            let vmm = Vmm::connect(&socket).unwrap().with_ram(0, 1 << 16).unwrap();
+            drop(vmm);
+        }
+    }
+}

@@ -92,6 +92,12 @@ pub struct DaemonArgs {
     /// seconds (a state it sends or takes gets 1 s more per 32 MiB); then it is cut off.
     #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_timeout)]
     pub control_timeout: Duration,
+    /// Let every instance's client DMA_MAP any mmappable file, not only memfd, tmpfs
+    /// (/dev/shm) and hugetlbfs files: for trusted clients only, e.g. QEMU with
+    /// memory-backend-file on a disk filesystem. A file whose page faults its owner can stall
+    /// (FUSE) would stop device threads every instance shares (the GPU render engine).
+    #[arg(long)]
+    pub allow_any_file_maps: bool,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -211,6 +217,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     config.release_timeout = args.release_timeout;
     config.max_instances = args.max_instances;
     config.control_timeout = args.control_timeout;
+    config.allow_any_file_maps = args.allow_any_file_maps;
     let builder = Daemon::builder(config);
     // SAFETY: no thread has been spawned yet (the logger starts none; the parents are
     // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.
