@@ -38,7 +38,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::server::listener::{AcceptBackoff, SocketListener};
+use crate::server::listener::{AcceptBackoff, Accepted, SocketListener};
 use tracing::{debug, info, warn};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -254,26 +254,13 @@ fn accept_loop(
                 break;
             }
         }
-        let stream = match listener.listener.accept() {
-            Ok((s, _)) => {
-                backoff.succeeded();
-                s
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                // EMFILE and the like: the listener stays readable; do not spin on it
-                // (the same backoff and log rate as the device servers' accept loop).
-                let retry = backoff.failed(&e, Instant::now());
-                if let Some(failures) = retry.log {
-                    warn!(
-                        error = %e,
-                        failures,
-                        retry_ms = retry.wait.as_millis() as u64,
-                        "control socket: accept failed (logged at most every 10 s)"
-                    );
-                }
-                let ms = i32::try_from(retry.wait.as_millis()).unwrap_or(i32::MAX);
-                if !retry.wait.is_zero() && matches!(wait(-1, wake.as_raw_fd(), ms), Ok(true)) {
+        // EMFILE and the like leave the listener readable: the backoff keeps the loop from
+        // spinning on it (the same backoff and log rate as the device servers' accept loop).
+        let stream = match listener.accept_with(&mut backoff, "control socket") {
+            Accepted::Stream(s) => s,
+            Accepted::Retry(w) => {
+                let ms = i32::try_from(w.as_millis()).unwrap_or(i32::MAX);
+                if !w.is_zero() && matches!(wait(-1, wake.as_raw_fd(), ms), Ok(true)) {
                     break;
                 }
                 continue;

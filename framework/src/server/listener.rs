@@ -223,6 +223,43 @@ impl AcceptBackoff {
     }
 }
 
+/// What [`SocketListener::accept_with`] got.
+#[derive(Debug)]
+pub enum Accepted {
+    /// A new connection.
+    Stream(UnixStream),
+    /// None this time: try again after waiting this long (zero: at once; the wait is the
+    /// loop's, so that a stop request can end it).
+    Retry(Duration),
+}
+
+impl SocketListener {
+    /// Accept one connection from the (non-blocking) listener, with `backoff` applied to a
+    /// failure and the failure logged at its rate, naming `what` listens (e.g. "control
+    /// socket").
+    pub fn accept_with(&self, backoff: &mut AcceptBackoff, what: &str) -> Accepted {
+        match self.listener.accept() {
+            Ok((s, _)) => {
+                backoff.succeeded();
+                Accepted::Stream(s)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Accepted::Retry(Duration::ZERO),
+            Err(e) => {
+                let retry = backoff.failed(&e, Instant::now());
+                if let Some(failures) = retry.log {
+                    tracing::warn!(
+                        error = %e,
+                        failures,
+                        retry_in_ms = retry.wait.as_millis() as u64,
+                        "{what}: accept failed (logged at most every 10 s)"
+                    );
+                }
+                Accepted::Retry(retry.wait)
+            }
+        }
+    }
+}
+
 impl Drop for SocketListener {
     fn drop(&mut self) {
         if self.owned {

@@ -21,7 +21,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::channel::Channel;
 use super::connection::Connection;
-use super::listener::{AcceptBackoff, SocketListener};
+use super::listener::{AcceptBackoff, Accepted, SocketListener};
 use super::{ServerConfig, ServerError};
 use crate::device::Device;
 use crate::dma::DmaSpace;
@@ -375,25 +375,12 @@ fn accept_loop(
         if !incoming {
             continue;
         }
-        let stream = match listener.listener.accept() {
-            Ok((s, _)) => {
-                backoff.succeeded();
-                s
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                let retry = backoff.failed(&e, Instant::now());
-                if let Some(failures) = retry.log {
-                    warn!(
-                        error = %e,
-                        failures,
-                        retry_in_ms = retry.wait.as_millis() as u64,
-                        "accept failed"
-                    );
-                }
-                if !retry.wait.is_zero() {
+        let stream = match listener.accept_with(&mut backoff, "device socket") {
+            Accepted::Stream(s) => s,
+            Accepted::Retry(w) => {
+                if !w.is_zero() {
                     // Only a stop request ends the wait early.
-                    let _ = wait_readable_fd(state.wake.as_raw_fd(), retry.wait);
+                    let _ = wait_readable_fd(state.wake.as_raw_fd(), w);
                 }
                 continue;
             }
