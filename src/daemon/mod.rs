@@ -130,6 +130,11 @@ pub struct DaemonArgs {
     /// seconds (a state it sends or takes gets 1 s more per 32 MiB); then it is cut off.
     #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = parse_timeout)]
     pub control_timeout: Duration,
+    /// How every instance's connection thread waits for the next message (as `umdev run
+    /// --poll`): `auto` spins for an adaptive time (at most 50 µs, none for an idle client)
+    /// before blocking, `off` blocks at once, `<N>us` spins N µs after every message.
+    #[arg(long, value_name = "off|auto|<N>us", default_value_t = umdev::server::PollMode::Auto)]
+    pub poll: umdev::server::PollMode,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -317,6 +322,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     let mut config = RegistryConfig::new(&socket_dir);
     config.release_timeout = args.release_timeout;
     config.max_instances = args.max_instances;
+    config.server.poll = args.poll;
     let teardown = config.teardown_timeout;
     let registry = Arc::new(Registry::new(config).map_err(DaemonError::Registry)?);
     let parents: Vec<Arc<dyn Parent>> = vec![Arc::new(gpu), Arc::new(ccw)];

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::channel::BacklogLimits;
+use super::poll::PollMode;
 use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
@@ -60,6 +61,10 @@ pub struct ServerConfig {
     /// thread shared with other instances with it); others get EPERM. Set it only for
     /// trusted clients, e.g. QEMU with `memory-backend-file` on a disk filesystem.
     pub allow_any_file_maps: bool,
+    /// How the connection thread waits for the next message: spin for a while with
+    /// non-blocking reads before blocking (see `server::poll`; `--poll` on the command
+    /// line). Default [`PollMode::Auto`].
+    pub poll: PollMode,
 }
 
 impl ServerConfig {
@@ -80,6 +85,7 @@ impl ServerConfig {
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
             allow_any_file_maps: false,
+            poll: PollMode::Auto,
         }
     }
 

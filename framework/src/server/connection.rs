@@ -160,6 +160,7 @@ impl Connection {
         info!("client connected");
         // Requests the device makes from this thread follow stricter rules (channel docs).
         self.chan.bind_connection_thread();
+        self.chan.set_poll(self.config.poll);
         let mut spare = Vec::new();
         while let Some(mut m) = self.chan.next_command_reusing(&mut spare) {
             let payload = std::mem::take(&mut m.payload);
