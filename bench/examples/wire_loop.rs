@@ -4,8 +4,10 @@
 //! ```text
 //! cargo build --release -p umdev-bench --example wire_loop
 //! valgrind --tool=callgrind --separate-threads=yes \
-//!     target/release/examples/wire_loop umdev read 20000
+//!     target/release/examples/wire_loop umdev read 20000 off
 //! ```
+//!
+//! The optional last argument is umdev's `--poll` mode (default: the server's default).
 //!
 //! The server's connection thread gets a `callgrind.out.PID-TID` file of its own; the
 //! difference of its total `Ir` between two message counts, divided by the difference of
@@ -13,19 +15,32 @@
 
 use std::time::Instant;
 
-use umdev_bench::wire::{client, spawn_umdev, spawn_vfio_user, stop_umdev};
+use umdev::server::PollMode;
+use umdev_bench::wire::{client, spawn_umdev, spawn_umdev_with, spawn_vfio_user, stop_umdev};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "usage: wire_loop umdev|vfio-user read|write N";
-    let (server, op, n) = match args.as_slice() {
-        [_, s, o, n] => (s.as_str(), o.as_str(), n.parse::<u64>().expect(usage)),
+    let usage = "usage: wire_loop umdev|vfio-user read|write N [off|auto|<N>us]";
+    let (server, op, n, poll) = match args.as_slice() {
+        [_, s, o, n] => (s.as_str(), o.as_str(), n.parse::<u64>().expect(usage), None),
+        [_, s, o, n, p] => (
+            s.as_str(),
+            o.as_str(),
+            n.parse::<u64>().expect(usage),
+            Some(p.parse::<PollMode>().expect(usage)),
+        ),
         _ => panic!("{usage}"),
     };
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("s.sock");
     let (umdev, vfio) = match server {
-        "umdev" => (Some(spawn_umdev(&path).expect("umdev server")), None),
+        "umdev" => {
+            let s = match poll {
+                Some(p) => spawn_umdev_with(&path, p),
+                None => spawn_umdev(&path),
+            };
+            (Some(s.expect("umdev server")), None)
+        }
         "vfio-user" => (
             None,
             Some(spawn_vfio_user(&path, 1).expect("vfio_user server")),

@@ -837,8 +837,12 @@ impl Channel {
     /// Read the next message on the connection thread: spin for the poller's budget with
     /// non-blocking reads (yielding the CPU between two), then block (`server::poll`).
     fn wait_and_read(&self, rs: &mut ReadSide, spare: &mut Vec<u8>) -> ReadResult {
-        let start = Instant::now();
         let budget = rs.poller.budget();
+        if budget.is_zero() && !rs.poller.adapts() {
+            // `off`: no clock reads either.
+            return read_one_reusing(&rs.stream, self.max_message, self.max_msg_fds, spare);
+        }
+        let start = Instant::now();
         if !budget.is_zero() {
             let deadline = start + budget;
             loop {

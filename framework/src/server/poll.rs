@@ -122,6 +122,11 @@ impl Poller {
         self.budget
     }
 
+    /// True if the budget follows the gaps (`auto`): [`Poller::observe`] needs them.
+    pub(super) fn adapts(&self) -> bool {
+        self.mode == PollMode::Auto
+    }
+
     /// The next message came after `gap`; `caught` if spinning read it.
     pub(super) fn observe(&mut self, caught: bool, gap: Duration) {
         if self.mode != PollMode::Auto || caught {
