@@ -20,7 +20,7 @@ use umdev_bench::wire::{client, spawn_umdev, spawn_umdev_with, spawn_vfio_user, 
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "usage: wire_loop umdev|vfio-user read|write N [off|auto|<N>us]";
+    let usage = "usage: wire_loop umdev|vfio-user|connect:PATH read|write N [off|auto|<N>us]";
     let (server, op, n, poll) = match args.as_slice() {
         [_, s, o, n] => (s.as_str(), o.as_str(), n.parse::<u64>().expect(usage), None),
         [_, s, o, n, p] => (
@@ -32,7 +32,7 @@ fn main() {
         _ => panic!("{usage}"),
     };
     let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("s.sock");
+    let mut path = dir.path().join("s.sock");
     let (umdev, vfio) = match server {
         "umdev" => {
             let s = match poll {
@@ -45,7 +45,15 @@ fn main() {
             None,
             Some(spawn_vfio_user(&path, 1).expect("vfio_user server")),
         ),
-        _ => panic!("{usage}"),
+        other => match other.strip_prefix("connect:") {
+            // A server already listening there (e.g. `umdev run gpu --socket PATH` under
+            // callgrind): region 0, offset 0 is the GPU's ID register.
+            Some(p) => {
+                path = p.into();
+                (None, None)
+            }
+            None => panic!("{usage}"),
+        },
     };
     let mut c = client(&path).expect("connect");
     let mut buf = [0u8; 4];
