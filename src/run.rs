@@ -78,6 +78,11 @@ pub struct RunArgs {
     /// µs after every message.
     #[arg(long, value_name = "off|auto|<N>us", default_value_t = PollMode::Auto)]
     pub poll: PollMode,
+    /// Answer the client's `write_multiple` (REGION_WRITE_MULTI). Off by default: QEMU
+    /// 10.1/10.2's flag for it includes FORCE_QUEUED, which makes QEMU send every message
+    /// from its I/O thread (protocol-docs/qemu.md); turn it on for a client without that bug.
+    #[arg(long)]
+    pub write_multiple: bool,
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -130,6 +135,7 @@ pub fn run(args: RunArgs) -> CliResult {
     config.socket_mode = args.socket_mode;
     config.allow_any_file_maps = args.allow_any_file_maps;
     config.poll = args.poll;
+    config.write_multiple = args.write_multiple;
     let server = Server::new(config, device, Arc::clone(&dma)).spawn()?;
     tracing::info!(
         "serving {:?} on {} (pin policy {:?}); Ctrl-C to stop",

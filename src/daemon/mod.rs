@@ -135,6 +135,10 @@ pub struct DaemonArgs {
     /// before blocking, `off` blocks at once, `<N>us` spins N µs after every message.
     #[arg(long, value_name = "off|auto|<N>us", default_value_t = umdev::server::PollMode::Auto)]
     pub poll: umdev::server::PollMode,
+    /// Answer clients' `write_multiple` (as `umdev run --write-multiple`; off by default,
+    /// see protocol-docs/qemu.md).
+    #[arg(long)]
+    pub write_multiple: bool,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -323,6 +327,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
     config.release_timeout = args.release_timeout;
     config.max_instances = args.max_instances;
     config.server.poll = args.poll;
+    config.server.write_multiple = args.write_multiple;
     let teardown = config.teardown_timeout;
     let registry = Arc::new(Registry::new(config).map_err(DaemonError::Registry)?);
     let parents: Vec<Arc<dyn Parent>> = vec![Arc::new(gpu), Arc::new(ccw)];

@@ -61,6 +61,13 @@ pub struct ServerConfig {
     /// thread shared with other instances with it); others get EPERM. Set it only for
     /// trusted clients, e.g. QEMU with `memory-backend-file` on a disk filesystem.
     pub allow_any_file_maps: bool,
+    /// Answer a client's `write_multiple: true` in VERSION (and accept REGION_WRITE_MULTI).
+    /// Default `false`: QEMU 10.1/10.2 define their write-multiple flag as 0x16, which
+    /// includes FORCE_QUEUED (0x4), so a server that answers it makes QEMU queue every
+    /// message and send it from its I/O thread instead of the vCPU thread, one more thread
+    /// hop per trapped access, for batching that only starts once 1,024 messages are
+    /// queued (`protocol-docs/qemu.md`). Turn it on for a client without that bug.
+    pub write_multiple: bool,
     /// How the connection thread waits for the next message: spin for a while with
     /// non-blocking reads before blocking (see `server::poll`; `--poll` on the command
     /// line). Default [`PollMode::Auto`].
@@ -85,6 +92,7 @@ impl ServerConfig {
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
             allow_any_file_maps: false,
+            write_multiple: false,
             poll: PollMode::Auto,
         }
     }
@@ -98,6 +106,7 @@ impl ServerConfig {
             max_dma_maps: self.max_dma_maps.clamp(1, 65535),
             pgsize: self.pgsize,
             twin_socket: self.twin_socket,
+            write_multiple: self.write_multiple,
             // The connection sets it when its device migrates.
             migration: false,
         }
