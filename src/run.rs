@@ -7,7 +7,7 @@ use clap::ValueEnum;
 use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
-use umdev::server::{Server, ServerConfig, TerminationSignals};
+use umdev::server::{PollMode, Server, ServerConfig, TerminationSignals};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 
@@ -72,6 +72,17 @@ pub struct RunArgs {
     /// filesystem; a hostile one (FUSE) could stall this device.
     #[arg(long)]
     pub allow_any_file_maps: bool,
+    /// How the connection thread waits for the next message: `auto` spins with
+    /// non-blocking reads for a time that adapts to the gaps between messages (at most
+    /// 50 µs, none for an idle client), then blocks; `off` blocks at once; `<N>us` spins N
+    /// µs after every message.
+    #[arg(long, value_name = "off|auto|<N>us", default_value_t = PollMode::Auto)]
+    pub poll: PollMode,
+    /// Answer the client's `write_multiple` (REGION_WRITE_MULTI). Off by default: QEMU
+    /// 10.1/10.2's flag for it includes FORCE_QUEUED, which makes QEMU send every message
+    /// from its I/O thread (protocol-docs/qemu.md); turn it on for a client without that bug.
+    #[arg(long)]
+    pub write_multiple: bool,
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -123,6 +134,8 @@ pub fn run(args: RunArgs) -> CliResult {
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
     config.allow_any_file_maps = args.allow_any_file_maps;
+    config.poll = args.poll;
+    config.write_multiple = args.write_multiple;
     let server = Server::new(config, device, Arc::clone(&dma)).spawn()?;
     tracing::info!(
         "serving {:?} on {} (pin policy {:?}); Ctrl-C to stop",

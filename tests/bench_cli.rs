@@ -233,6 +233,10 @@ fn test_bench_wire_quick_json_has_every_row() {
         "3",
         "--map-sizes",
         "4096,1073741824",
+        "--rounds",
+        "2",
+        "--per-round",
+        "200",
         "--json",
         json.to_str().unwrap(),
     ]);
@@ -240,6 +244,19 @@ fn test_bench_wire_quick_json_has_every_row() {
     assert_eq!(v["bench"], "wire");
     // REGION_READ, REGION_WRITE, posted write, and DMA_MAP+UNMAP at two sizes.
     assert_pair_rows(&v, 1, 5);
+    // The placement table: same core (and cross core on a machine with two CPUs), each
+    // with the reference and umdev with polling off and auto.
+    let rows = v["placement"]["rows"].as_array().expect("placement rows");
+    let placements = v["placement"]["cpus"].as_array().expect("cpus").len();
+    assert_eq!(rows.len(), 3 * placements, "{rows:?}");
+    for r in rows {
+        assert_eq!(r["n"], 400, "{r}");
+        for key in ["median_ns", "p99_ns", "ratio_to_reference"] {
+            assert!(r[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {r}");
+        }
+        let umdev = r["server"].as_str().unwrap().starts_with("umdev");
+        assert_eq!(r["idle_cpu_pct"].is_number(), umdev, "{r}");
+    }
 }
 
 #[test]
@@ -507,7 +524,7 @@ fn test_bench_instances_quick_json_has_every_row() {
     }
     // Every target of the issue, each with a verdict; no 256 point in a quick run.
     let targets = v["targets"].as_array().expect("targets");
-    assert_eq!(targets.len(), 7, "{targets:?}");
+    assert_eq!(targets.len(), 8, "{targets:?}");
     for t in targets {
         let verdict = t["verdict"].as_str().unwrap();
         assert!(["pass", "MISS", "not measured"].contains(&verdict), "{t}");

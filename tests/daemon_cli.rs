@@ -778,13 +778,12 @@ fn test_daemon_control_payload_budget_second_large_state_unavailable() {
 fn disk_file() -> Option<std::fs::File> {
     let f = tempfile::tempfile_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     f.set_len(1 << 16).unwrap();
-    // SAFETY: a zeroed struct that fstatfs fills; a valid fd.
+    // SAFETY: a zeroed struct that fstatfs fills.
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    assert_eq!(
-        unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(&f), &mut fs) },
-        0
-    );
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    // SAFETY: a valid fd and a struct of the size fstatfs writes.
+    let r = unsafe { libc::fstatfs(fd, &mut fs) };
+    assert_eq!(r, 0);
     (fs.f_type != libc::TMPFS_MAGIC && fs.f_type != libc::HUGETLBFS_MAGIC).then_some(f)
 }
 

@@ -897,7 +897,7 @@ fn cases(f: &Fds) -> Vec<Case> {
 #[test]
 fn test_hostile_malformed_every_command_errno_usable_no_leak() {
     let _g = serial();
-    let ts = TestServer::start();
+    let ts = TestServer::start_with(|c| c.write_multiple = true);
     let mut c = RawClient::new_default(ts.path());
     let f = Fds::new();
     let ok = c.call(

@@ -464,7 +464,7 @@ fn test_malformed_region_access_variants_rejected() {
 
 #[test]
 fn test_malformed_write_multi_variants_rejected() {
-    let ts = TestServer::start();
+    let ts = TestServer::start_with(|c| c.write_multiple = true);
     // Not negotiated: ENOTSUP.
     let caps = "{\"capabilities\":{\"max_msg_fds\":16}}";
     let (mut c, _) = RawClient::negotiated(ts.path(), caps);

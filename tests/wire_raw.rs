@@ -68,7 +68,10 @@ fn test_raw_version_qemu_proposal_reply_fits_request_buffer() {
     assert_eq!(v.major, 0);
     assert_eq!(v.minor, 0);
     assert!(!v.caps.migration, "migration is not echoed");
-    assert!(v.caps.write_multiple);
+    assert!(
+        !v.caps.write_multiple,
+        "not answered by default (QEMU 10.2's USE_MULTI includes FORCE_QUEUED)"
+    );
     assert_eq!(v.caps.pgsizes, 4096);
     assert!(reply.fds.is_empty(), "no twin socket unless asked");
 }
@@ -94,7 +97,7 @@ fn test_raw_posted_write_error_sends_nothing() {
 
 #[test]
 fn test_raw_write_multi_applies_every_write() {
-    let ts = TestServer::start();
+    let ts = TestServer::start_with(|c| c.write_multiple = true);
     let mut c = RawClient::new_default(ts.path());
     let w = |offset, count, v: u8| WriteOne {
         access: RegionAccess {
@@ -378,8 +381,11 @@ fn test_raw_dma_logging_reports_device_writes() {
 }
 
 #[test]
-fn test_raw_default_caps_write_multiple_negotiated() {
+fn test_raw_default_caps_write_multiple_off_by_default_on_when_configured() {
     let ts = TestServer::start();
+    let (_c, reply) = RawClient::negotiated(ts.path(), DEFAULT_CAPS);
+    assert!(!Version::decode(&reply.payload).unwrap().caps.write_multiple);
+    let ts = TestServer::start_with(|c| c.write_multiple = true);
     let (_c, reply) = RawClient::negotiated(ts.path(), DEFAULT_CAPS);
     assert!(Version::decode(&reply.payload).unwrap().caps.write_multiple);
 }

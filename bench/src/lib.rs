@@ -7,7 +7,7 @@
 //!   memory and a lookup-per-call path.
 //! - [`wire`] (`umdev bench wire`): vfio-user message round trips through a real socket,
 //!   umdev's server against the `vfio_user` crate's, serving the same device
-//!   ([`vfio_user_trivial`]).
+//!   ([`vfio_user_trivial`]), and by CPU placement and polling mode ([`placement`]).
 //! - [`record`] (`umdev bench record`): record the pin arrays an example device issues.
 //! - [`instances`] (`umdev bench instances`): many instances in one registry (create,
 //!   idle cost, all serving at once) and the shared GPU engine's fairness.
@@ -15,7 +15,7 @@
 //!   victim instances in one process: their p99 latencies under attack against without.
 //!
 //! Shared pieces: array [`patterns`], recorded pin [`trace`]s, page [`backing`] and
-//! [`local_mapping`]s of it, the interleaved [`sampler`], [`stats`], the terminal/JSON
+//! [`local_mapping`]s of it, [`cputime`], the interleaved [`sampler`], [`stats`], the terminal/JSON
 //! [`report`] and its [`table`]s, the SVG [`plot`], [`progress`] on stderr and [`machine`]
 //! information.
 //!
@@ -25,6 +25,7 @@
 #![deny(missing_docs)]
 
 pub mod backing;
+pub mod cputime;
 pub mod dma;
 pub mod instances;
 pub mod isolation;
@@ -32,6 +33,7 @@ pub mod local_mapping;
 pub mod machine;
 pub mod patterns;
 pub mod pin;
+pub mod placement;
 pub mod plot;
 pub mod progress;
 pub mod record;

@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::local_mapping::memfd;
+use super::placement::{PlacementPlan, PlacementReport};
 use super::progress::Progress;
 use super::report::{fmt_bytes, pair_table, print_report, PairReport, PairRow, SideResult};
 use super::sampler::interleaved;
@@ -21,7 +22,7 @@ use super::vfio_user_trivial::{vfio_user_regions, VfioUserTrivial};
 use super::PairArgs;
 use crate::BenchError;
 use umdev::dma::{DmaConfig, DmaSpace};
-use umdev::server::{RunningServer, Server, ServerConfig};
+use umdev::server::{PollMode, RunningServer, Server, ServerConfig};
 use umdev::testing::{DeviceAccess, TrivialDevice, Vmm};
 
 /// IOVA of the DMA_MAP rows.
@@ -35,22 +36,55 @@ pub struct WireArgs {
     /// DMA_MAP sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = vec![4096u64, 1 << 20, 256 << 20, 16 << 30])]
     pub map_sizes: Vec<u64>,
+    /// Interleaved rounds of the placement table (same core / cross core × server × poll
+    /// mode).
+    #[arg(long, default_value_t = 7)]
+    pub rounds: usize,
+    /// Round trips per variant per round in the placement table [default: 5000, quick 1000].
+    #[arg(long)]
+    pub per_round: Option<usize>,
+    /// Also measure libvfio-user in the placement table: the path of its
+    /// `gpio-pci-idio-16` sample server (built from nutanix/libvfio-user with meson; the
+    /// bench starts it with a socket path and reads its BAR2).
+    #[arg(long, value_name = "BINARY")]
+    pub libvfio_user: Option<std::path::PathBuf>,
+    /// Also measure `BINARY run gpu` in the placement table, as a process of its own (the
+    /// GPU's BAR0 ID register): e.g. a build from before a change against this one.
+    /// Repeatable.
+    #[arg(long, value_name = "BINARY")]
+    pub umdev_binary: Vec<std::path::PathBuf>,
+    /// Only the placement table (no side-by-side rows, no DMA_MAP rows).
+    #[arg(long)]
+    pub placement_only: bool,
+    /// No placement table.
+    #[arg(long, conflicts_with = "placement_only")]
+    pub no_placement: bool,
     /// Sampling and output options.
     #[command(flatten)]
     pub run: PairArgs,
+}
+
+/// What `umdev bench wire --json` writes.
+#[derive(serde::Serialize)]
+struct WireReport<'a> {
+    #[serde(flatten)]
+    pairs: &'a PairReport,
+    placement: Option<&'a PlacementReport>,
 }
 
 /// Start umdev's server on `path` serving the trivial device, as a VMM would find it: the
 /// server itself, no test wrapper around the device (DMA layer with its default Translate
 /// policy).
 pub fn spawn_umdev(path: &Path) -> Result<RunningServer, BenchError> {
+    spawn_umdev_with(path, ServerConfig::new(path).poll)
+}
+
+/// [`spawn_umdev`] with the connection thread waiting as `poll` says.
+pub fn spawn_umdev_with(path: &Path, poll: PollMode) -> Result<RunningServer, BenchError> {
     let space = DmaSpace::new(DmaConfig::default());
-    Ok(Server::new(
-        ServerConfig::new(path),
-        Box::new(TrivialDevice::default()),
-        space,
-    )
-    .spawn()?)
+    let mut config = ServerConfig::new(path);
+    config.poll = poll;
+    Ok(Server::new(config, Box::new(TrivialDevice::default()), space).spawn()?)
 }
 
 /// Stop a server started by [`spawn_umdev`]; a failure is logged, not returned (the
@@ -95,6 +129,44 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-wire-")
         .tempdir()?;
+    let placement = if args.no_placement {
+        None
+    } else {
+        let plan = PlacementPlan {
+            rounds: args.rounds.max(1),
+            per_round: args
+                .per_round
+                .unwrap_or(if args.run.quick { 1000 } else { 5000 })
+                .max(1),
+            idle_ms: if args.run.quick { 300 } else { 1000 },
+        };
+        if !args.run.out.quiet {
+            eprintln!("round trips by placement…");
+        }
+        Some(super::placement::run(
+            plan,
+            dir.path(),
+            args.libvfio_user.as_deref(),
+            &args.umdev_binary,
+        )?)
+    };
+    if args.placement_only {
+        let placement = placement.expect("not both --placement-only and --no-placement");
+        let report = PairReport::new("wire", plan, Vec::new(), Vec::new(), started);
+        let wire = WireReport {
+            pairs: &report,
+            placement: Some(&placement),
+        };
+        print_report(
+            "wire",
+            &args.run.out,
+            &report.machine,
+            &super::placement::table(&placement),
+            &wire,
+        )?;
+        println!("{:.1} s", started.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let umdev_path = dir.path().join("umdev.sock");
     let vfio_path = dir.path().join("vfio-user.sock");
     let umdev_side = spawn_umdev(&umdev_path)?;
@@ -208,13 +280,16 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
         ],
         started,
     );
-    print_report(
-        "wire",
-        &args.run.out,
-        &report.machine,
-        &pair_table(&report, false),
-        &report,
-    )?;
+    let mut table = pair_table(&report, false);
+    if let Some(p) = &placement {
+        table.push('\n');
+        table.push_str(&super::placement::table(p));
+    }
+    let wire = WireReport {
+        pairs: &report,
+        placement: placement.as_ref(),
+    };
+    print_report("wire", &args.run.out, &report.machine, &table, &wire)?;
     println!("{:.1} s", report.elapsed_s);
     Ok(())
 }

@@ -98,6 +98,15 @@ pub struct DaemonArgs {
     /// (FUSE) would stop device threads every instance shares (the GPU render engine).
     #[arg(long)]
     pub allow_any_file_maps: bool,
+    /// How every instance's connection thread waits for the next message (as `umdev run
+    /// --poll`): `auto` spins for an adaptive time (at most 50 µs, none for an idle client)
+    /// before blocking, `off` blocks at once, `<N>us` spins N µs after every message.
+    #[arg(long, value_name = "off|auto|<N>us", default_value_t = umdev::server::PollMode::Auto)]
+    pub poll: umdev::server::PollMode,
+    /// Answer clients' `write_multiple` (as `umdev run --write-multiple`; off by default,
+    /// see protocol-docs/qemu.md).
+    #[arg(long)]
+    pub write_multiple: bool,
 }
 
 fn parse_mib(s: &str) -> Result<u64, String> {
@@ -217,7 +226,9 @@ pub fn run(args: DaemonArgs) -> CliResult {
     config.release_timeout = args.release_timeout;
     config.max_instances = args.max_instances;
     config.control_timeout = args.control_timeout;
-    config.allow_any_file_maps = args.allow_any_file_maps;
+    config.server.allow_any_file_maps = args.allow_any_file_maps;
+    config.server.poll = args.poll;
+    config.server.write_multiple = args.write_multiple;
     let builder = Daemon::builder(config);
     // SAFETY: no thread has been spawned yet (the logger starts none; the parents are
     // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.

@@ -51,6 +51,9 @@ pub const MAX_COUNT: usize = 4096;
 pub const TARGET_INSTANCES: usize = 256;
 /// Idle RSS per instance, KiB.
 pub const TARGET_RSS_KIB: f64 = 1024.0;
+/// CPU an idle connected instance may use (issue 20: polling must not make idle instances
+/// cost CPU), % of one core.
+pub const TARGET_IDLE_CPU_PCT: f64 = 1.0;
 /// Create+start, ms (judged on the p90 of each point).
 pub const TARGET_CREATE_MS: f64 = 10.0;
 /// Relative share error.
@@ -93,6 +96,9 @@ pub struct InstancesArgs {
     /// Run the scale points in this process (default: a process of their own each).
     #[arg(long)]
     pub in_process: bool,
+    /// How the instances' connection threads wait for messages (as `umdev daemon --poll`).
+    #[arg(long, value_name = "off|auto|<N>us", default_value_t = umdev::server::PollMode::Auto)]
+    pub poll: umdev::server::PollMode,
     /// The fairness part's engine thread nice value: -20..=19, or `inherit` for the
     /// process's (the GPU parent's and the daemon's default); e.g. 19 to see what
     /// `umdev daemon --gpu-engine-nice 19` buys the idle instance's FENCE latency.
@@ -253,7 +259,11 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Measure scale point `n` in a new process of this binary.
-fn point_in_child(n: usize, types: &[String]) -> Result<ScalePoint, BenchError> {
+fn point_in_child(
+    n: usize,
+    types: &[String],
+    poll: umdev::server::PollMode,
+) -> Result<ScalePoint, BenchError> {
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-point-")
         .tempdir()?;
@@ -266,6 +276,8 @@ fn point_in_child(n: usize, types: &[String]) -> Result<ScalePoint, BenchError> 
         .arg(&out)
         .arg("--types")
         .arg(types.join(","))
+        .arg("--poll")
+        .arg(poll.to_string())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .status()?;
@@ -293,7 +305,7 @@ pub fn run(args: InstancesArgs) -> Result<(), BenchError> {
                 "--scale-point needs --child-out".into(),
             ));
         };
-        let point = scale::run_point(n, &args.types, "process")
+        let point = scale::run_point(n, &args.types, "process", args.poll)
             .unwrap_or_else(|e| ScalePoint::failed(n, "process", error_chain(&e)));
         return Ok(write_json(path, &point)?);
     }
@@ -333,10 +345,10 @@ pub fn run(args: InstancesArgs) -> Result<(), BenchError> {
         for &n in &counts {
             progress.start_step(&format!("scale: {n} instances"));
             let point = if args.in_process {
-                scale::run_point(n, &args.types, isolation)
+                scale::run_point(n, &args.types, isolation, args.poll)
                     .unwrap_or_else(|e| ScalePoint::failed(n, isolation, error_chain(&e)))
             } else {
-                point_in_child(n, &args.types)?
+                point_in_child(n, &args.types, args.poll)?
             };
             if let Some(e) = &point.error {
                 progress.note(&format!("scale point {n} failed: {e}"));
@@ -503,6 +515,23 @@ pub fn targets(points: &[ScalePoint], sets: &[FairnessSet]) -> Vec<TargetRow> {
             )
         }),
         verdict: verdict(worst_create.map(|p| p.create_ms.p90 <= TARGET_CREATE_MS)),
+    });
+    rows.push(TargetRow {
+        target: "CPU of idle connected instances, per instance (largest point)".into(),
+        limit: format!("≤ {TARGET_IDLE_CPU_PCT:.0} % of a core"),
+        measured: last.map_or("-".into(), |p| {
+            format!(
+                "{:.4} % at N={} ({:.2} % for all)",
+                p.connected_idle_cpu_pct / p.instances.max(1) as f64,
+                p.instances,
+                p.connected_idle_cpu_pct
+            )
+        }),
+        verdict: verdict(
+            last.map(|p| {
+                p.connected_idle_cpu_pct / p.instances.max(1) as f64 <= TARGET_IDLE_CPU_PCT
+            }),
+        ),
     });
     // The sets on the machine as it is, then (if any) the busy-host runs: each group is
     // judged on its own.
@@ -847,8 +876,20 @@ mod tests {
         assert_eq!(rows[2].verdict, "pass");
         let slow = [point(16, 300.0, 30.0), point(256, 300.0, 4.0)];
         assert_eq!(targets(&slow, &[])[2].verdict, "MISS");
+        assert_eq!(rows[3].verdict, "pass", "idle CPU 0: {rows:?}");
         // Fairness not run: its targets are not measured, not passed.
-        assert!(rows[3..].iter().all(|r| r.verdict == "not measured"));
+        assert!(rows[4..].iter().all(|r| r.verdict == "not measured"));
+    }
+
+    #[test]
+    fn test_targets_idle_cpu_judged_per_instance_of_largest_point() {
+        let mut p = point(256, 300.0, 4.0);
+        p.connected_idle_cpu_pct = 200.0;
+        let row = &targets(&[p.clone()], &[])[3];
+        assert!(row.target.starts_with("CPU of idle"), "{row:?}");
+        assert_eq!(row.verdict, "pass", "0.78 % per instance: {row:?}");
+        p.connected_idle_cpu_pct = 300.0;
+        assert_eq!(targets(&[p], &[])[3].verdict, "MISS", "1.2 % per instance");
     }
 
     #[test]

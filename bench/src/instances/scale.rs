@@ -209,6 +209,10 @@ pub struct TypeCount {
     pub count: usize,
 }
 
+/// How long the CPU of idle connected instances is measured
+/// ([`ScalePoint::connected_idle_cpu_pct`]).
+pub const IDLE_CPU_WINDOW: Duration = Duration::from_secs(1);
+
 /// Result of one scale point.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct ScalePoint {
@@ -237,6 +241,11 @@ pub struct ScalePoint {
     /// The process with every client connected, after they drew (the clients and their
     /// guest RAM live in this process too).
     pub serving: ProcSample,
+    /// CPU of the whole process over [`IDLE_CPU_WINDOW`] right after every client finished
+    /// (all still connected, none sending), % of one core: what idle connections cost,
+    /// the connection threads' polling after their last message included.
+    #[serde(default)]
+    pub connected_idle_cpu_pct: f64,
     /// Time to connect and set up all clients, one after the other, s.
     pub connect_s: f64,
     /// Instances that reported their client attached when the clients were released.
@@ -276,7 +285,12 @@ struct Daemonish {
     _dir: tempfile::TempDir,
 }
 
-fn daemonish(gpu_pool_mib: u64, ccw_budget_mib: u64, max: usize) -> Result<Daemonish, BenchError> {
+fn daemonish(
+    gpu_pool_mib: u64,
+    ccw_budget_mib: u64,
+    max: usize,
+    poll: umdev::server::PollMode,
+) -> Result<Daemonish, BenchError> {
     let dir = tempfile::Builder::new()
         .prefix("umdev-bench-instances-")
         .tempdir()?;
@@ -290,6 +304,7 @@ fn daemonish(gpu_pool_mib: u64, ccw_budget_mib: u64, max: usize) -> Result<Daemo
     let ccw = CcwParent::new(ccw_config).map_err(|e| BenchError::Workload(Box::new(e)))?;
     let mut config = RegistryConfig::new(dir.path().join("sockets"));
     config.max_instances = config.max_instances.max(max);
+    config.server.poll = poll;
     let registry = Registry::new(config)?;
     registry.add_parent(Arc::new(gpu.clone()))?;
     registry.add_parent(Arc::new(ccw.clone()))?;
@@ -359,7 +374,12 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Measure one scale point: `n` instances of `types` round robin (see the module doc).
-pub fn run_point(n: usize, types: &[String], isolation: &str) -> Result<ScalePoint, BenchError> {
+pub fn run_point(
+    n: usize,
+    types: &[String],
+    isolation: &str,
+    poll: umdev::server::PollMode,
+) -> Result<ScalePoint, BenchError> {
     if n == 0 || types.is_empty() {
         return Err(BenchError::Options(
             "a scale point needs at least one instance and one type".into(),
@@ -381,7 +401,7 @@ pub fn run_point(n: usize, types: &[String], isolation: &str) -> Result<ScalePoi
     });
     let gpu_pool_mib = gpu_need.max(GpuParentConfig::default().pool_mib);
     let ccw_budget_mib = ccw_need.max(CcwParentConfig::new("").budget_mib);
-    let d = daemonish(gpu_pool_mib, ccw_budget_mib, n)?;
+    let d = daemonish(gpu_pool_mib, ccw_budget_mib, n, poll)?;
     let mut point = ScalePoint {
         instances: n,
         mix: mix
@@ -483,6 +503,10 @@ pub fn run_point(n: usize, types: &[String], isolation: &str) -> Result<ScalePoi
     point.serve_wall_s = released.elapsed().as_secs_f64();
     point.serve_client_ms = summarize(&client_ms);
     point.serving = ProcSample::now();
+    let (cpu0, w0) = (crate::cputime::process(), Instant::now());
+    std::thread::sleep(IDLE_CPU_WINDOW);
+    let used = crate::cputime::process().saturating_sub(cpu0);
+    point.connected_idle_cpu_pct = 100.0 * used.as_secs_f64() / w0.elapsed().as_secs_f64();
     drop(clients);
 
     // Removal once every server has seen its client go.

@@ -95,7 +95,7 @@ use tracing::{info, warn};
 
 use crate::instance::{InstanceError, InstanceInfo, Parent, Registry, RegistryConfig};
 use crate::server::listener::SocketListener;
-use crate::server::{ServerError, TerminationSignals};
+use crate::server::{ServerConfig, ServerError, TerminationSignals};
 
 use protocol::ControlError;
 use service::MigrationCheck;
@@ -126,14 +126,14 @@ pub struct DaemonConfig {
     /// How long a control client has to send its whole request, and to take the reply (a
     /// payload gets [`protocol::transfer_time`] more); then it is cut off.
     pub control_timeout: Duration,
-    /// Let every instance's client DMA_MAP any mmappable file
-    /// ([`ServerConfig::allow_any_file_maps`](crate::server::ServerConfig::allow_any_file_maps)).
-    /// Default `false`: only memfd, tmpfs and hugetlbfs files, whose page faults no client
-    /// can stall. Set it only when every client is trusted (e.g. QEMU with
-    /// `memory-backend-file` on a disk filesystem): a file whose faults its owner serves
-    /// (FUSE) would stop device threads that serve other instances too (the GPU parent's
-    /// render engine).
-    pub allow_any_file_maps: bool,
+    /// How every instance is served (the socket path is each instance's own): polling,
+    /// limits, timeouts. Default [`ServerConfig::new`]'s. Its
+    /// [`allow_any_file_maps`](ServerConfig::allow_any_file_maps) lets every instance's
+    /// client DMA_MAP any mmappable file; set it only when every client is trusted (e.g.
+    /// QEMU with `memory-backend-file` on a disk filesystem): a file whose faults its owner
+    /// serves (FUSE) would stop device threads that serve other instances too (the GPU
+    /// parent's render engine). The daemon warns at startup when it is set.
+    pub server: ServerConfig,
 }
 
 impl DaemonConfig {
@@ -148,7 +148,7 @@ impl DaemonConfig {
             release_timeout: registry.release_timeout,
             max_instances: registry.max_instances,
             control_timeout: protocol::REQUEST_TIMEOUT,
-            allow_any_file_maps: false,
+            server: registry.server,
         }
     }
 }
@@ -405,8 +405,9 @@ impl DaemonBuilder {
         let mut registry_config = RegistryConfig::new(&socket_dir);
         registry_config.release_timeout = config.release_timeout;
         registry_config.max_instances = config.max_instances;
-        registry_config.server.allow_any_file_maps = config.allow_any_file_maps;
-        if config.allow_any_file_maps {
+        // Each instance's socket path replaces the template's.
+        registry_config.server = config.server.clone();
+        if config.server.allow_any_file_maps {
             tracing::warn!(
                 "every instance accepts DMA_MAPs of any file (--allow-any-file-maps): a client \
                  whose file's page faults stall (FUSE) can stop threads other instances share"

@@ -150,12 +150,15 @@ impl Header {
         })
     }
 
-    /// Encode into 16 bytes.
+    /// Encode into 16 bytes, as [`Header::put`] does (no allocation: every reply pays for
+    /// this).
     pub fn encode(&self) -> [u8; HEADER_SIZE] {
-        let mut v = Vec::with_capacity(HEADER_SIZE);
-        self.put(&mut v);
         let mut out = [0u8; HEADER_SIZE];
-        out.copy_from_slice(&v);
+        out[0..2].copy_from_slice(&self.msg_id.to_ne_bytes());
+        out[2..4].copy_from_slice(&self.command.to_ne_bytes());
+        out[4..8].copy_from_slice(&self.msg_size.to_ne_bytes());
+        out[8..12].copy_from_slice(&self.flags.to_ne_bytes());
+        out[12..16].copy_from_slice(&self.error.to_ne_bytes());
         out
     }
 
@@ -242,6 +245,20 @@ impl Header {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_header_encode_matches_put() {
+        let h = Header {
+            msg_id: 0x1234,
+            command: 0x0a0b,
+            msg_size: 0x01020304,
+            flags: 0x0f0e0d0c,
+            error: 0x11223344,
+        };
+        let mut v = Vec::new();
+        h.put(&mut v);
+        assert_eq!(h.encode().as_slice(), v.as_slice());
+    }
 
     #[test]
     fn test_header_roundtrip_fields_preserved() {

@@ -417,6 +417,9 @@ pub struct ServerOffer {
     pub pgsize: u64,
     /// Twin-socket mode offered.
     pub twin_socket: bool,
+    /// REGION_WRITE_MULTI accepted: a client that offers `write_multiple` gets it back
+    /// (see `ServerConfig::write_multiple` for why the server's default is off).
+    pub write_multiple: bool,
     /// The device migrates: a client that offers `migration` gets it back.
     pub migration: bool,
 }
@@ -471,7 +474,7 @@ pub fn negotiate(
     let xfer = cc.max_data_xfer_size.min(offer.max_data_xfer_size);
     let maps = cc.max_dma_maps.min(offer.max_dma_maps);
     let twin = offer.twin_socket && cc.twin_socket;
-    let write_multiple = cc.write_multiple;
+    let write_multiple = offer.write_multiple && cc.write_multiple;
     let migration = offer.migration && cc.migration;
     let mut caps = Capabilities {
         max_msg_fds: offer.max_msg_fds,
@@ -576,6 +579,7 @@ mod tests {
             max_dma_maps: 65535,
             pgsize: 4096,
             twin_socket: true,
+            write_multiple: true,
             migration: false,
         }
     }

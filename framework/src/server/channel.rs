@@ -74,8 +74,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
 use tracing::{debug, warn};
 
+use super::poll::{PollMode, Poller};
 use super::socket_io::{
-    discard, header_of, recv_header, recv_payload, send_message, wait_readable, FD_SLOTS,
+    discard, header_of, recv_header_with, recv_payload, send_message, wait_readable, RawHeader,
+    FD_SLOTS,
 };
 use crate::protocol::{encode_message, Command, Header, MessageType, ProtocolError, HEADER_SIZE};
 
@@ -130,14 +132,58 @@ fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
 /// than its command can use are closed at once ([`Incoming::fds_closed`] counts them, so
 /// the command is refused for its fd count when it is handled).
 pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) -> ReadResult {
-    let mut raw = match recv_header(stream) {
+    read_one_reusing(stream, max_message, max_msg_fds, &mut Vec::new())
+}
+
+/// Largest payload buffer kept for reuse between messages ([`Channel::next_command_reusing`]):
+/// the register accesses of the hot path are far smaller, and an idle connection should
+/// not hold a large buffer.
+pub const SPARE_PAYLOAD_MAX: usize = 4096;
+
+/// [`read_one_with`], taking the payload buffer from `spare` (its capacity is reused, so a
+/// small message allocates nothing; `spare` is left empty).
+fn read_one_reusing(
+    stream: &UnixStream,
+    max_message: u32,
+    max_msg_fds: usize,
+    spare: &mut Vec<u8>,
+) -> ReadResult {
+    match read_one_impl(stream, max_message, max_msg_fds, spare, false) {
+        Some(r) => r,
+        // Only a non-blocking read finds nothing.
+        None => ReadResult::Eof,
+    }
+}
+
+/// [`read_one_reusing`]; with `dontwait`, `None` if no byte of a message is there yet
+/// (nothing consumed). Once a header byte is read, the message is read whole (waiting).
+fn read_one_impl(
+    stream: &UnixStream,
+    max_message: u32,
+    max_msg_fds: usize,
+    spare: &mut Vec<u8>,
+    dontwait: bool,
+) -> Option<ReadResult> {
+    let raw = match recv_header_with(stream, dontwait) {
         Ok(Some(raw)) => raw,
-        Ok(None) => return ReadResult::Eof,
+        Ok(None) => return Some(ReadResult::Eof),
+        Err(e) if dontwait && e.kind() == std::io::ErrorKind::WouldBlock => return None,
         Err(e) => {
             debug!(error = %e, "socket read failed");
-            return ReadResult::Eof;
+            return Some(ReadResult::Eof);
         }
     };
+    Some(read_rest(stream, raw, max_message, max_msg_fds, spare))
+}
+
+/// The rest of the message whose header is `raw`: validation, the payload, the fds.
+fn read_rest(
+    stream: &UnixStream,
+    mut raw: RawHeader,
+    max_message: u32,
+    max_msg_fds: usize,
+    spare: &mut Vec<u8>,
+) -> ReadResult {
     let header = header_of(&raw);
     let mut fds_closed = 0;
     if raw.fds.len() > usable_fds(&header, max_msg_fds) {
@@ -155,7 +201,9 @@ pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) 
             return ReadResult::Invalid(header, e);
         }
     };
-    let mut payload = vec![0u8; len];
+    let mut payload = std::mem::take(spare);
+    payload.clear();
+    payload.resize(len, 0);
     if recv_payload(stream, &mut payload).is_err() {
         return ReadResult::Eof;
     }
@@ -216,6 +264,8 @@ pub struct ReadSide {
     stream: UnixStream,
     backlog: VecDeque<Backlogged>,
     eof: bool,
+    /// How the connection thread waits for its next command (`server::poll`).
+    poller: Poller,
 }
 
 /// Bounds of the backlog of commands read by requesters (module doc). Reading stops while
@@ -474,6 +524,7 @@ impl Channel {
                 stream: reader,
                 backlog: VecDeque::new(),
                 eof: false,
+                poller: Poller::new(PollMode::Off),
             }),
             twin: Mutex::new(None),
             twin_active: AtomicBool::new(false),
@@ -500,6 +551,11 @@ impl Channel {
         self.limits = limits;
         self.max_msg_fds = max_msg_fds as usize;
         self
+    }
+
+    /// Wait for commands as `mode` says (`server::poll`).
+    pub fn set_poll(&self, mode: PollMode) {
+        lock(&self.reader).poller = Poller::new(mode);
     }
 
     /// What the backlog holds now.
@@ -723,6 +779,13 @@ impl Channel {
 
     /// Next command for the connection thread; `None` when the connection is over.
     pub fn next_command(&self) -> Option<Incoming> {
+        self.next_command_reusing(&mut Vec::new())
+    }
+
+    /// [`Channel::next_command`], reading the payload into `spare`'s buffer when the
+    /// message comes from the socket (the connection thread hands back the previous
+    /// message's payload, so the hot path does not allocate).
+    pub fn next_command_reusing(&self, spare: &mut Vec<u8>) -> Option<Incoming> {
         loop {
             let mut rs = lock(&self.reader);
             let next = rs.backlog.pop_front();
@@ -745,7 +808,7 @@ impl Channel {
             if rs.eof {
                 return None;
             }
-            match read_one_with(&rs.stream, self.max_message, self.max_msg_fds) {
+            match self.wait_and_read(&mut rs, spare) {
                 ReadResult::Message(m, MessageType::Command) => return Some(m),
                 ReadResult::Message(m, MessageType::Reply) => {
                     drop(rs);
@@ -769,6 +832,34 @@ impl Channel {
                 }
             }
         }
+    }
+
+    /// Read the next message on the connection thread: spin for the poller's budget with
+    /// non-blocking reads (yielding the CPU between two), then block (`server::poll`).
+    fn wait_and_read(&self, rs: &mut ReadSide, spare: &mut Vec<u8>) -> ReadResult {
+        let budget = rs.poller.budget();
+        if budget.is_zero() && !rs.poller.adapts() {
+            // `off`: no clock reads either.
+            return read_one_reusing(&rs.stream, self.max_message, self.max_msg_fds, spare);
+        }
+        let start = Instant::now();
+        if !budget.is_zero() {
+            let deadline = start + budget;
+            loop {
+                let r = read_one_impl(&rs.stream, self.max_message, self.max_msg_fds, spare, true);
+                if let Some(r) = r {
+                    rs.poller.observe(true, start.elapsed());
+                    return r;
+                }
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+        let r = read_one_reusing(&rs.stream, self.max_message, self.max_msg_fds, spare);
+        rs.poller.observe(false, start.elapsed());
+        r
     }
 
     /// Read at most one message while waiting for a reply (follower turned leader); false

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::channel::BacklogLimits;
+use super::poll::PollMode;
 use crate::protocol::dma_rw::DmaRwLayout;
 use crate::protocol::version::{
     ServerOffer, DEFAULT_MAX_DATA_XFER_SIZE, DEFAULT_MAX_DMA_MAPS, MAX_MAX_DATA_XFER_SIZE,
@@ -67,6 +68,17 @@ pub struct ServerConfig {
     /// default slice: no gain was measured, see [`super::slice`]);
     /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs) is the value to try.
     pub thread_slice: Option<Duration>,
+    /// Answer a client's `write_multiple: true` in VERSION (and accept REGION_WRITE_MULTI).
+    /// Default `false`: QEMU 10.1/10.2 define their write-multiple flag as 0x16, which
+    /// includes FORCE_QUEUED (0x4), so a server that answers it makes QEMU queue every
+    /// message and send it from its I/O thread instead of the vCPU thread, one more thread
+    /// hop per trapped access, for batching that only starts once 1,024 messages are
+    /// queued (`protocol-docs/qemu.md`). Turn it on for a client without that bug.
+    pub write_multiple: bool,
+    /// How the connection thread waits for the next message: spin for a while with
+    /// non-blocking reads before blocking (see `server::poll`; `--poll` on the command
+    /// line). Default [`PollMode::Auto`].
+    pub poll: PollMode,
 }
 
 impl ServerConfig {
@@ -88,6 +100,8 @@ impl ServerConfig {
             dma_rw_layout: None,
             allow_any_file_maps: false,
             thread_slice: None,
+            write_multiple: false,
+            poll: PollMode::Auto,
         }
     }
 
@@ -100,6 +114,7 @@ impl ServerConfig {
             max_dma_maps: self.max_dma_maps.clamp(1, 65535),
             pgsize: self.pgsize,
             twin_socket: self.twin_socket,
+            write_multiple: self.write_multiple,
             // The connection sets it when its device migrates.
             migration: false,
         }

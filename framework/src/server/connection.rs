@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tracing::{debug, debug_span, error, info, warn};
 
-use super::channel::{Channel, Incoming, RequestHold};
+use super::channel::{Channel, Incoming, RequestHold, SPARE_PAYLOAD_MAX};
 use super::error::error_chain;
 use super::remote_dma::ClientDma;
 use super::{ServerConfig, ServerError};
@@ -61,6 +61,17 @@ impl Reply {
         self.fds.push(fd);
     }
 
+    /// An empty reply built in `buf`'s storage (its capacity is reused).
+    fn in_buffer(mut buf: Vec<u8>, payload: usize) -> Reply {
+        buf.clear();
+        buf.reserve(HEADER_SIZE + payload);
+        buf.resize(HEADER_SIZE, 0);
+        Reply {
+            buf,
+            fds: Vec::new(),
+        }
+    }
+
     fn finish(&mut self, request: &Header) -> &[u8] {
         let h = request.reply(self.buf.len() - HEADER_SIZE);
         self.buf[..HEADER_SIZE].copy_from_slice(&h.encode());
@@ -84,6 +95,10 @@ pub struct Connection {
     /// Server→client requests refused while the device is stopped for migration.
     pub(super) mig_hold: Option<RequestHold>,
     twin_thread: Option<JoinHandle<()>>,
+    /// The last reply's buffer, reused by the next one (the payload buffer is reused by
+    /// `run` the same way): no allocation per message on the hot path; at most
+    /// [`SPARE_PAYLOAD_MAX`] bytes of payload are kept.
+    spare_reply: Vec<u8>,
 }
 
 pub(super) fn lock_device(m: &Mutex<Box<dyn Device>>) -> MutexGuard<'_, Box<dyn Device>> {
@@ -122,6 +137,19 @@ impl Connection {
             migration,
             mig_hold: None,
             twin_thread: None,
+            spare_reply: Vec::new(),
+        }
+    }
+
+    /// An empty reply with room for `payload` bytes, in the previous reply's buffer.
+    pub(super) fn reply(&mut self, payload: usize) -> Reply {
+        Reply::in_buffer(std::mem::take(&mut self.spare_reply), payload)
+    }
+
+    /// Keep `buf` for the next reply if it is small.
+    fn recycle_reply(&mut self, buf: Vec<u8>) {
+        if buf.capacity() <= HEADER_SIZE + SPARE_PAYLOAD_MAX {
+            self.spare_reply = buf;
         }
     }
 
@@ -132,13 +160,19 @@ impl Connection {
         info!("client connected");
         // Requests the device makes from this thread follow stricter rules (channel docs).
         self.chan.bind_connection_thread();
-        while let Some(m) = self.chan.next_command() {
-            self.handle(m);
+        self.chan.set_poll(self.config.poll);
+        let mut spare = Vec::new();
+        while let Some(mut m) = self.chan.next_command_reusing(&mut spare) {
+            let payload = std::mem::take(&mut m.payload);
+            self.handle(m, &payload);
+            if payload.capacity() <= SPARE_PAYLOAD_MAX {
+                spare = payload;
+            }
         }
         self.teardown();
     }
 
-    fn handle(&mut self, m: Incoming) {
+    fn handle(&mut self, m: Incoming, payload: &[u8]) {
         let hdr = m.header;
         let name = Command::from_u16(hdr.command)
             .map(|c| c.name())
@@ -157,7 +191,7 @@ impl Connection {
         // (QEMU): a request the device makes from this thread meanwhile fails fast.
         self.chan.set_client_waits(!hdr.no_reply());
         let result = catch_unwind(AssertUnwindSafe(|| {
-            self.process(&hdr, &m.payload, fds, fds_closed)
+            self.process(&hdr, payload, fds, fds_closed)
         }));
         self.chan.set_client_waits(false);
         let Ok(result) = result else {
@@ -179,6 +213,7 @@ impl Connection {
                 if let Err(e) = self.chan.send(reply.finish(&hdr), &fds) {
                     debug!(error = %e, "failed to send a reply");
                 }
+                self.recycle_reply(reply.buf);
             }
             Ok(None) => debug!("done"),
             Err(e) => {

@@ -282,7 +282,7 @@ impl Connection {
 
     pub(super) fn region_read(&mut self, a: RegionAccess) -> Result<Reply, ServerError> {
         self.check_access(a.region, a.offset, a.count, REGION_FLAG_READ)?;
-        let mut reply = Reply::with_capacity(16 + a.count as usize);
+        let mut reply = self.reply(16 + a.count as usize);
         let buf = reply.buf_mut();
         a.put(buf);
         let start = buf.len();
@@ -302,7 +302,10 @@ impl Connection {
         lock_device(&self.device)
             .region_write(a.region, a.offset, data)
             .map_err(ServerError::Device)?;
-        Ok(Reply::from_payload(&a.encode()))
+        // The reply is the access header without the data.
+        let mut reply = self.reply(16);
+        a.put(reply.buf_mut());
+        Ok(reply)
     }
 
     pub(super) fn region_write_multi(&mut self, ws: &[WriteOne]) -> Result<Reply, ServerError> {

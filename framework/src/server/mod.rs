@@ -27,6 +27,8 @@
 //! negotiated max_data_xfer_size, a missing reply times out, and a disconnect fails every
 //! pending request. In twin-socket mode the requests use a separate socket with its own
 //! reader thread. Every message is handled in a `tracing` span (id, command, size, errno).
+//! Between two messages the connection thread may spin for a short, adaptive time before
+//! it blocks ([`poll`], [`ServerConfig::poll`]).
 //!
 //! A binary serves until Ctrl-C/SIGTERM with [`TerminationSignals`] ([`signals`]).
 
@@ -37,6 +39,7 @@ mod dispatch;
 mod error;
 pub mod listener;
 mod migration;
+pub mod poll;
 mod refuse;
 pub mod remote_dma;
 mod running;
@@ -47,6 +50,7 @@ pub mod socket_io;
 pub use channel::{BacklogLimits, BacklogUsage};
 pub use config::{ServerConfig, DEFAULT_MAX_DMA_MAPPED_BYTES};
 pub use error::ServerError;
+pub use poll::PollMode;
 pub use running::{RunningServer, Server, ShutdownHandle};
 pub use signals::TerminationSignals;
 pub use slice::{set_thread_slice, DEFAULT_THREAD_SLICE};

@@ -28,6 +28,13 @@ pub struct RawHeader {
 
 /// Receive one header (16 bytes) and its fds. `Ok(None)` on EOF before any byte.
 pub fn recv_header(stream: &UnixStream) -> io::Result<Option<RawHeader>> {
+    recv_header_with(stream, false)
+}
+
+/// [`recv_header`]; with `dontwait`, an error of kind `WouldBlock` if no byte is there yet
+/// (nothing consumed). Once the first byte is read, the rest of the header is waited for.
+pub fn recv_header_with(stream: &UnixStream, dontwait: bool) -> io::Result<Option<RawHeader>> {
+    let flags = libc::MSG_CMSG_CLOEXEC | if dontwait { libc::MSG_DONTWAIT } else { 0 };
     let mut bytes = [0u8; HEADER_SIZE];
     // u64 storage keeps the control buffer aligned for cmsghdr; on the stack, so the hot
     // path does not allocate.
@@ -46,7 +53,7 @@ pub fn recv_header(stream: &UnixStream) -> io::Result<Option<RawHeader>> {
     let n = loop {
         // SAFETY: msg points at a live iovec over `bytes` and a control buffer of
         // `space` bytes, both outliving the call.
-        let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, flags) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -206,6 +213,17 @@ mod tests {
         // SAFETY: CMSG_SPACE only computes a size from its argument.
         let need = unsafe { libc::CMSG_SPACE((FD_SLOTS * mem::size_of::<RawFd>()) as u32) };
         assert!(CBUF_WORDS * 8 >= need as usize);
+    }
+
+    #[test]
+    fn test_recv_header_dontwait_empty_would_block_then_reads() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let e = recv_header_with(&b, true).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        let h = Header::command(9, crate::protocol::Command::DeviceReset, 0);
+        send_message(&a, &h.encode(), &[]).unwrap();
+        let raw = recv_header_with(&b, true).unwrap().unwrap();
+        assert_eq!(header_of(&raw), h);
     }
 
     #[test]
