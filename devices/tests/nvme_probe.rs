@@ -376,3 +376,48 @@ fn test_doorbell_past_queue_size_is_reported_by_async_event() {
         Status::SUCCESS
     );
 }
+
+/// Submit 16 reads in one doorbell on an MSI-X queue; the interrupts they raised.
+fn burst_interrupts(coalescing: Option<u32>) -> u64 {
+    let mut g = Guest::new();
+    let irq = g.vmm.enable_msix().unwrap();
+    g.enable();
+    assert!(g.set_queues(1).status.is_success());
+    if let Some(v) = coalescing {
+        let set = Command {
+            opcode: admin_op::SET_FEATURES,
+            cdw: [8, v, 0, 0, 0, 0],
+            ..Default::default()
+        };
+        assert_eq!(g.admin(set), Status::SUCCESS);
+    }
+    g.mem_write(io_cq(1), &[0u8; 32 * 16]);
+    assert_eq!(g.create_cq_at(1, 32, 0, io_cq(1)), Status::SUCCESS);
+    assert_eq!(g.create_sq_at(1, 32, 1, io_sq(1)), Status::SUCCESS);
+    g.queues.push(Queue {
+        qid: 1,
+        sq: io_sq(1),
+        cq: io_cq(1),
+        size: 32,
+        tail: 0,
+        head: 0,
+        phase: true,
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    let _ = umdev::testing::wait_eventfd(&irq, Duration::ZERO);
+    for i in 0..16 {
+        g.push(1, Guest::rw(false, i, 1, DATA + i * 4096, 0));
+    }
+    g.kick(1);
+    for _ in 0..16 {
+        assert!(g.reap(1).status.is_success());
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    umdev::testing::wait_eventfd(&irq, Duration::ZERO).unwrap_or(0)
+}
+
+#[test]
+fn test_interrupt_coalescing_threshold_splits_a_burst() {
+    assert_eq!(burst_interrupts(None), 1, "one interrupt per burst");
+    assert_eq!(burst_interrupts(Some(3)), 4, "THR = 3: every 4 completions");
+}

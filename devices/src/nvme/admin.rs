@@ -41,6 +41,7 @@ pub fn execute(shared: &Arc<Shared>, sq: &Sq, cmd: &Command) -> Outcome {
             Outcome::Deferred
         }
         admin_op::KEEP_ALIVE => Outcome::ok(0),
+        admin_op::DBBUF_CONFIG if shared.limits.shadow_doorbells => dbbuf_config(shared, cmd),
         op => {
             tracing::debug!(op, "nvme: unsupported admin opcode");
             Outcome::err(Status::INVALID_OPCODE)
@@ -111,7 +112,14 @@ fn create_cq(shared: &Arc<Shared>, cmd: &Command) -> Outcome {
     if slot.is_some() {
         return Outcome::err(Status::INVALID_QID);
     }
-    *slot = Some(Arc::new(Cq::new(shared.dma.clone(), params, ien, vector)));
+    let cq = Arc::new(Cq::new(shared.dma.clone(), params, ien, vector));
+    if let Some(db) = lock(&shared.dbbuf).clone() {
+        if db.init_queue(params.id, None, Some(0)).is_err() {
+            return Outcome::err(Status::DATA_TRANSFER_ERROR);
+        }
+        let _ = cq.dbbuf.set(db);
+    }
+    *slot = Some(cq);
     tracing::debug!(
         qid = params.id,
         size = params.size,
@@ -141,6 +149,12 @@ fn create_sq(shared: &Arc<Shared>, cmd: &Command) -> Outcome {
         return Outcome::err(Status::INVALID_QID);
     }
     let sq = Arc::new(Sq::new(shared.dma.clone(), params, cqid));
+    if let Some(db) = lock(&shared.dbbuf).clone() {
+        if db.init_queue(params.id, Some(0), None).is_err() {
+            return Outcome::err(Status::DATA_TRANSFER_ERROR);
+        }
+        let _ = sq.dbbuf.set(db);
+    }
     match worker::spawn(shared.clone(), sq, cq) {
         Ok(s) => *slot = Some(s),
         Err(e) => {
@@ -199,7 +213,14 @@ fn identify(shared: &Shared, sq: &Sq, cmd: &Command) -> Outcome {
         0x00 if cmd.nsid == 1 => identify::namespace(shared),
         0x03 if cmd.nsid == 1 => identify::descriptors(&shared.limits),
         0x00 | 0x03 => return Outcome::err(Status::INVALID_NAMESPACE),
-        0x01 => identify::controller(&shared.limits, 0),
+        0x01 => identify::controller(
+            &shared.limits,
+            if shared.limits.shadow_doorbells {
+                identify::OACS_DBBUF
+            } else {
+                0
+            },
+        ),
         0x02 if cmd.nsid < 0xffff_fffe => identify::active_list(cmd.nsid),
         0x02 => return Outcome::err(Status::INVALID_NAMESPACE),
         // I/O Command Set specific Identify Controller, NVM command set: no limits.
@@ -382,4 +403,49 @@ fn get_log_page(shared: &Shared, sq: &Sq, cmd: &Command) -> Outcome {
         lock(&shared.aer).masked &= !(1u8 << k);
     }
     Outcome::from_status(status, 0)
+}
+
+/// Doorbell Buffer Config: PRP1 is the shadow doorbell page, PRP2 the EventIdx page. The
+/// I/O queues that exist switch to it now (their current tail and head written into it),
+/// later ones at creation; the admin queue keeps its registers, as Linux expects.
+fn dbbuf_config(shared: &Shared, cmd: &Command) -> Outcome {
+    let (shadow, ei) = (cmd.prp1, cmd.prp2);
+    if shadow == 0
+        || ei == 0
+        || !shadow.is_multiple_of(4096)
+        || !ei.is_multiple_of(4096)
+        || shadow == ei
+    {
+        return Outcome::err(Status::INVALID_FIELD);
+    }
+    let mut current = lock(&shared.dbbuf);
+    if current.is_some() {
+        // Command Sequence Error: configured once per controller reset.
+        return Outcome::err(Status {
+            sct: 0,
+            sc: 0x0c,
+            dnr: true,
+        });
+    }
+    let db = Arc::new(super::dbbuf::DbBuf::new(&shared.dma, shadow, ei));
+    for q in 1..shared.sqs.len() as u16 {
+        let sq = shared.sq(q);
+        let cq = shared.cq(q);
+        let tail = sq.as_ref().map(|s| s.sq.tail.load(Ordering::SeqCst));
+        let head = cq.as_ref().map(|c| c.head.load(Ordering::SeqCst));
+        if let Err(e) = db.init_queue(q, tail, head) {
+            tracing::warn!("nvme: doorbell buffer unreachable: {e}");
+            return Outcome::err(Status::DATA_TRANSFER_ERROR);
+        }
+        if let Some(s) = sq {
+            let _ = s.sq.dbbuf.set(db.clone());
+            let _ = s.wake.try_send(());
+        }
+        if let Some(c) = cq {
+            let _ = c.dbbuf.set(db.clone());
+        }
+    }
+    *current = Some(db);
+    tracing::info!(shadow, eventidx = ei, "nvme: shadow doorbells configured");
+    Outcome::ok(0)
 }

@@ -131,6 +131,7 @@ pub fn disable(shared: &Shared) {
     }
     *lock(&shared.features) = Features::defaults(usize::from(shared.vectors()));
     *lock(&shared.aer) = Aer::default();
+    *lock(&shared.dbbuf) = None;
     shared.cc.store(0, Ordering::SeqCst);
     shared.intms.store(0, Ordering::SeqCst);
     shared.irq.lower_intx();

@@ -21,6 +21,7 @@ use umdev::dma::DmaHandle;
 use umdev::irq::{Interrupts, IrqMode};
 
 use super::data::DataPath;
+use super::dbbuf::DbBuf;
 use super::namespace::Namespace;
 use super::queues::{lock, Cq, Sq};
 use super::regs::CSTS_CFS;
@@ -36,6 +37,8 @@ pub struct Limits {
     pub mdts: u8,
     /// Serial number (Identify SN, at most 20 ASCII characters).
     pub serial: String,
+    /// Offer Doorbell Buffer Config (OACS bit 8).
+    pub shadow_doorbells: bool,
 }
 
 impl Limits {
@@ -178,6 +181,8 @@ pub struct Shared {
     pub data_pins: AtomicU64,
     /// Set while the controller is being torn down (no new queue workers).
     pub tearing_down: AtomicBool,
+    /// The shadow doorbell buffer, once the guest configured one.
+    pub dbbuf: Mutex<Option<Arc<DbBuf>>>,
 }
 
 impl Shared {
@@ -199,6 +204,7 @@ impl Shared {
             counters: Counters::default(),
             data_pins: AtomicU64::new(0),
             tearing_down: AtomicBool::new(false),
+            dbbuf: Mutex::new(None),
         }
     }
 
@@ -310,6 +316,9 @@ impl Shared {
             if let Some(cq) = &*guard {
                 cq.mem.release_in(iova, size);
             }
+        }
+        if let Some(db) = &*lock(&self.dbbuf) {
+            db.release_in(iova, size);
         }
     }
 }

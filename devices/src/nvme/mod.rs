@@ -25,6 +25,7 @@ pub mod admin;
 pub mod ctl;
 pub mod ctrl;
 pub mod data;
+pub mod dbbuf;
 pub mod identify;
 pub mod io;
 pub mod namespace;
@@ -81,6 +82,9 @@ pub struct NvmeConfig {
     pub mdts: u8,
     /// Serial number.
     pub serial: String,
+    /// Offer shadow doorbells (Doorbell Buffer Config, OACS bit 8): the guest then traps
+    /// only to wake a sleeping queue worker.
+    pub shadow_doorbells: bool,
 }
 
 impl NvmeConfig {
@@ -94,6 +98,7 @@ impl NvmeConfig {
             max_queue_entries: 1024,
             mdts: 6,
             serial: "UMDEV0001".into(),
+            shadow_doorbells: true,
         }
     }
 
@@ -129,6 +134,7 @@ impl Nvme {
                 max_queue_entries: config.max_queue_entries.clamp(2, 65536),
                 mdts: config.mdts.clamp(1, 8),
                 serial: config.serial,
+                shadow_doorbells: config.shadow_doorbells,
             },
             blocks: ns.blocks(),
             ns: Some(ns),

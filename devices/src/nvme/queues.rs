@@ -20,11 +20,12 @@
 //! clears it stops the controller's DMA even though the ring stays pinned.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crossbeam_channel::Sender;
 use umdev::dma::{DmaError, DmaHandle, PinnedPages, Prot, PAGE_SHIFT};
 
+use super::dbbuf::DbBuf;
 use super::spec::{Command, Completion, CQE_SIZE, SQE_SIZE};
 
 /// Lock `m`, ignoring poisoning (a panicked holder left plain data behind).
@@ -167,6 +168,8 @@ pub struct Sq {
     /// Held by the worker while it holds pins of a command's data; the unmap notifier
     /// takes it to wait for them. Never held while waiting for the client.
     pub pinning: Mutex<()>,
+    /// The shadow doorbell buffer, once configured.
+    pub dbbuf: OnceLock<Arc<DbBuf>>,
 }
 
 impl Sq {
@@ -185,7 +188,26 @@ impl Sq {
             head: AtomicU32::new(0),
             stop: AtomicBool::new(false),
             pinning: Mutex::new(()),
+            dbbuf: OnceLock::new(),
         }
+    }
+
+    /// The tail the guest published: its shadow doorbell once a buffer is configured (a
+    /// value past the queue's size is ignored), else the tail doorbell register.
+    pub fn published_tail(&self) -> Result<u32, DmaError> {
+        if let Some(db) = self.dbbuf.get() {
+            let t = db.sq_tail(self.params.id)?;
+            if t < self.params.size {
+                self.tail.store(t, Ordering::Release);
+                return Ok(t);
+            }
+            tracing::debug!(
+                qid = self.params.id,
+                t,
+                "nvme: shadow SQ tail past the queue size ignored"
+            );
+        }
+        Ok(self.tail.load(Ordering::Acquire))
     }
 
     /// Fetch the entry at `index`.
@@ -231,6 +253,8 @@ pub struct Cq {
     pub tail: Mutex<CqTail>,
     /// Wake-ups of the submission queue workers waiting for room.
     pub waiters: Mutex<Vec<Sender<()>>>,
+    /// The shadow doorbell buffer, once configured.
+    pub dbbuf: OnceLock<Arc<DbBuf>>,
 }
 
 impl Cq {
@@ -252,14 +276,39 @@ impl Cq {
                 phase: true,
             }),
             waiters: Mutex::new(Vec::new()),
+            dbbuf: OnceLock::new(),
         }
+    }
+
+    /// The head the guest published: its shadow doorbell once a buffer is configured (a
+    /// value past the queue's size is ignored), else the head doorbell register.
+    pub fn published_head(&self) -> Result<u32, DmaError> {
+        if let Some(db) = self.dbbuf.get() {
+            let h = db.cq_head(self.params.id)?;
+            if h < self.params.size {
+                self.head.store(h, Ordering::Release);
+                return Ok(h);
+            }
+            tracing::debug!(
+                qid = self.params.id,
+                h,
+                "nvme: shadow CQ head past the queue size ignored"
+            );
+        }
+        Ok(self.head.load(Ordering::Acquire))
+    }
+
+    /// True if posting now would find the queue full.
+    pub fn is_full(&self) -> Result<bool, DmaError> {
+        let tail = lock(&self.tail).tail;
+        Ok((tail + 1) % self.params.size == self.published_head()?)
     }
 
     /// Post `c` at the tail, unless the queue is full.
     pub fn post(&self, c: &Completion) -> Result<Posted, DmaError> {
         let mut t = lock(&self.tail);
         let next = (t.tail + 1) % self.params.size;
-        if next == self.head.load(Ordering::Acquire) {
+        if next == self.published_head()? {
             return Ok(Posted::Full);
         }
         self.mem

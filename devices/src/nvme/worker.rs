@@ -111,14 +111,65 @@ fn run(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, wake: &Receiver<()>) {
     let mut pending: Option<Completion> = None;
     while !sq.stop.load(Ordering::SeqCst) {
         serve(shared, sq, cq, &mut pending);
-        if wake.recv().is_err() {
-            return;
+        if shared.is_fatal() || !rearm(shared, sq, cq, pending.is_some()) {
+            // Nothing visible to do: sleep until a doorbell (or a stop).
+            if wake.recv().is_err() {
+                return;
+            }
         }
     }
 }
 
+/// With shadow doorbells: ask the guest to ring when it publishes more (the SQ tail past
+/// our head, or the CQ head while a completion waits for room), then look once more;
+/// true if there is work after all. Without: false.
+fn rearm(shared: &Shared, sq: &Sq, cq: &Cq, waiting_for_room: bool) -> bool {
+    let (Some(sdb), cdb) = (sq.dbbuf.get(), cq.dbbuf.get()) else {
+        return false;
+    };
+    let result = (|| {
+        let head = sq.head.load(Ordering::SeqCst);
+        if waiting_for_room {
+            if let Some(cdb) = cdb {
+                cdb.arm_cq(cq.params.id, cq.published_head()?)?;
+            }
+            return Ok(!cq.is_full()?);
+        }
+        sdb.arm_sq(sq.params.id, head)?;
+        Ok(sq.published_tail()? != head)
+    })();
+    result.unwrap_or_else(|e: umdev::dma::DmaError| {
+        shared.fatal(&format!("doorbell buffer unreachable: {e}"));
+        false
+    })
+}
+
+/// Completions per interrupt within a burst: the Interrupt Coalescing feature's
+/// aggregation threshold (THR + 1) unless the vector opted out (Interrupt Vector
+/// Configuration CD), else [`BATCH`]. The end of a burst always interrupts: the
+/// aggregation time (TIME) is accepted and not used, so no completion waits for a timer.
+fn per_interrupt(shared: &Shared, cq: &Cq) -> u32 {
+    let f = lock(&shared.features);
+    let opted_out = f
+        .vector_config
+        .get(usize::from(cq.vector))
+        .copied()
+        .unwrap_or(true);
+    if f.irq_coalescing == 0 || opted_out || cq.params.id == 0 {
+        BATCH
+    } else {
+        (f.irq_coalescing & 0xff) + 1
+    }
+}
+
 /// Post `pending` if there is one; false if the queue is full or gone.
-fn flush(shared: &Shared, cq: &Cq, pending: &mut Option<Completion>, posted: &mut u32) -> bool {
+fn flush(
+    shared: &Shared,
+    cq: &Cq,
+    pending: &mut Option<Completion>,
+    posted: &mut u32,
+    every: u32,
+) -> bool {
     let Some(c) = pending.as_ref() else {
         return true;
     };
@@ -126,7 +177,7 @@ fn flush(shared: &Shared, cq: &Cq, pending: &mut Option<Completion>, posted: &mu
         Ok(Posted::Done) => {
             *pending = None;
             *posted += 1;
-            if (*posted).is_multiple_of(BATCH) {
+            if (*posted).is_multiple_of(every) {
                 shared.interrupt(cq);
             }
             true
@@ -145,12 +196,13 @@ fn flush(shared: &Shared, cq: &Cq, pending: &mut Option<Completion>, posted: &mu
 /// Run everything that can run now.
 fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion>) {
     let admin = sq.params.id == 0;
+    let every = per_interrupt(shared, cq);
     let mut posted = 0u32;
     loop {
         if sq.stop.load(Ordering::SeqCst) || shared.is_fatal() {
             break;
         }
-        if !flush(shared, cq, pending, &mut posted) {
+        if !flush(shared, cq, pending, &mut posted, every) {
             break;
         }
         let head = sq.head.load(Ordering::SeqCst);
@@ -160,8 +212,13 @@ fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion
                 continue;
             }
         }
-        if head == sq.tail.load(Ordering::Acquire) {
-            break;
+        match sq.published_tail() {
+            Ok(tail) if tail == head => break,
+            Ok(_) => {}
+            Err(e) => {
+                shared.fatal(&format!("doorbell buffer unreadable: {e}"));
+                break;
+            }
         }
         let cmd = match sq.fetch(head) {
             Ok(c) => c,
@@ -199,7 +256,7 @@ fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion
             });
         }
     }
-    if !posted.is_multiple_of(BATCH) {
+    if !posted.is_multiple_of(every) {
         shared.interrupt(cq);
     }
 }

@@ -78,6 +78,10 @@ pub struct Guest {
     pub image: PathBuf,
     pub fdless: bool,
     pub queues: Vec<Queue>,
+    /// Shadow doorbell and EventIdx pages, once configured (I/O queues only, as Linux).
+    pub dbbuf: Option<(u64, u64)>,
+    /// Doorbell register writes (traps), by kind: (SQ tails, CQ heads).
+    pub mmio_doorbells: (u64, u64),
     cid: u16,
     _dir: tempfile::TempDir,
 }
@@ -130,6 +134,8 @@ impl Guest {
             image,
             fdless,
             queues: Vec::new(),
+            dbbuf: None,
+            mmio_doorbells: (0, 0),
             cid: 0,
             _dir: dir,
         }
@@ -170,7 +176,48 @@ impl Guest {
     }
 
     pub fn ring(&mut self, db: Doorbell, v: u32) {
+        match db {
+            Doorbell::SqTail(_) => self.mmio_doorbells.0 += 1,
+            Doorbell::CqHead(_) => self.mmio_doorbells.1 += 1,
+        }
         self.set_reg32(regs::doorbell_offset(db), v);
+    }
+
+    /// Publish a doorbell value as Linux does: through the shadow page when configured
+    /// (I/O queues), trapping only if the EventIdx asks for it; else the register.
+    pub fn publish(&mut self, db: Doorbell, v: u32) {
+        let (qid, slot) = match db {
+            Doorbell::SqTail(q) => (q, u64::from(q) * 8),
+            Doorbell::CqHead(q) => (q, u64::from(q) * 8 + 4),
+        };
+        let Some((shadow, ei)) = self.dbbuf.filter(|_| qid != 0) else {
+            return self.ring(db, v);
+        };
+        let old = u32::from_le_bytes(self.mem_read(shadow + slot, 4).try_into().unwrap());
+        self.mem_write(shadow + slot, &v.to_le_bytes());
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let event = u32::from_le_bytes(self.mem_read(ei + slot, 4).try_into().unwrap());
+        // Linux's nvme_dbbuf_need_event, in 16-bit arithmetic.
+        let (e, n, o) = (event as u16, v as u16, old as u16);
+        if n.wrapping_sub(e).wrapping_sub(1) < n.wrapping_sub(o) {
+            self.ring(db, v);
+        }
+    }
+
+    /// Send Doorbell Buffer Config with the pages at `shadow` and `ei`; its status.
+    pub fn config_dbbuf(&mut self, shadow: u64, ei: u64) -> Status {
+        self.mem_write(shadow, &[0u8; 4096]);
+        self.mem_write(ei, &[0u8; 4096]);
+        let s = self.admin(Command {
+            opcode: admin_op::DBBUF_CONFIG,
+            prp1: shadow,
+            prp2: ei,
+            ..Default::default()
+        });
+        if s.is_success() {
+            self.dbbuf = Some((shadow, ei));
+        }
+        s
     }
 
     /// Wait until `CSTS & mask == want`.
@@ -204,6 +251,7 @@ impl Guest {
         self.vmm.write64(0, regs::ASQ_LO, ASQ).unwrap();
         self.vmm.write64(0, regs::ACQ_LO, ACQ).unwrap();
         self.queues = vec![Queue::new(0, ASQ, ACQ, ADMIN_ENTRIES)];
+        self.dbbuf = None;
         self.mem_write(ACQ, &vec![0u8; (ADMIN_ENTRIES as u64 * CQE_SIZE) as usize]);
         self.set_reg32(regs::CC, cc);
     }
@@ -213,6 +261,7 @@ impl Guest {
         self.set_reg32(regs::CC, 0);
         assert!(self.wait_csts(regs::CSTS_RDY, 0));
         self.queues.clear();
+        self.dbbuf = None;
     }
 
     // --- commands ---
@@ -239,7 +288,7 @@ impl Guest {
     /// Ring queue `qid`'s SQ tail doorbell with the driver's tail.
     pub fn kick(&mut self, qid: u16) {
         let t = self.queues[self.queue_index(qid)].tail;
-        self.ring(Doorbell::SqTail(qid), t);
+        self.publish(Doorbell::SqTail(qid), t);
     }
 
     /// Submit one command on `qid`; its cid.
@@ -273,7 +322,7 @@ impl Guest {
         if head == 0 {
             self.queues[i].phase = !q.phase;
         }
-        self.ring(Doorbell::CqHead(qid), head);
+        self.publish(Doorbell::CqHead(qid), head);
         Some(c)
     }
 
