@@ -12,6 +12,7 @@ mod gpu_dma;
 mod gpu_kit;
 mod hello;
 mod mem;
+mod nvme;
 mod pci;
 mod report;
 mod uio;
@@ -65,6 +66,11 @@ const SCENARIOS: &[Scenario] = &[
         "ccw-plain",
         "ccw on plain RAM: data pages cannot be pinned",
         ccw::run_plain,
+    ),
+    (
+        "nvme",
+        "NVMe with the stock nvme driver: namespace size, O_DIRECT round trips, image",
+        nvme::run,
     ),
     (
         "unplug",

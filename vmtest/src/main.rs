@@ -84,6 +84,28 @@ const PLANS: &[Plan] = &[
         needs_unplug_fix: false,
     },
     Plan {
+        name: "nvme",
+        what: "NVMe with the guest's stock nvme driver, memfd RAM (pinned rings and PRP pages)",
+        ram: Ram::Memfd,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme"],
+        host_checks: None,
+        needs_unplug_fix: false,
+    },
+    Plan {
+        name: "nvme-plain",
+        what: "NVMe with the stock driver on plain RAM: rings and data through DMA_READ/WRITE",
+        ram: Ram::Plain,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme"],
+        host_checks: None,
+        needs_unplug_fix: false,
+    },
+    Plan {
         name: "viommu",
         what: "the GPU behind intel-iommu (caching mode), driven through the guest's VFIO",
         ram: Ram::Memfd,
@@ -162,6 +184,8 @@ enum AccelArg {
     after_help = "Usually run as scripts/vm-tests.sh, which supplies every path below.\n\
 Guest runs:\n  memfd    guest RAM as a shared memfd (devices pin guest pages)\n  \
 plain    plain guest RAM (DMA_READ/DMA_WRITE; pins refused with a hint)\n  \
+nvme     the NVMe controller with the guest's stock nvme driver (memfd RAM)\n  \
+nvme-plain  the same on plain RAM (DMA_READ/DMA_WRITE)\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
 unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
 vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
@@ -458,9 +482,19 @@ fn run_processes(
             plan.ram == Ram::Plain && scenarios.iter().any(|sc| sc.starts_with(s.kind.name()));
         checks.extend(s.checks(pinned_fdless));
     }
-    // Only now: the ccw server has stopped and flushed its image.
+    // Only now: the ccw and NVMe servers have stopped and flushed their images.
     if let Some(log) = guest_log.as_ref().filter(|l| !l.images.is_empty()) {
-        checks.extend(image::checks(&server::ccw_image(dir), &log.images));
+        let (nvme, ccw): (Vec<_>, Vec<_>) = log
+            .images
+            .iter()
+            .cloned()
+            .partition(|e| e.scenario.starts_with("nvme"));
+        if !ccw.is_empty() {
+            checks.extend(image::checks(&server::ccw_image(dir), &ccw));
+        }
+        if !nvme.is_empty() {
+            checks.extend(image::checks(&server::nvme_image(dir), &nvme));
+        }
     }
     if let (Some(host_checks), Some(log)) = (plan.host_checks, &guest_log) {
         checks.extend(host_checks(log, &stopped));

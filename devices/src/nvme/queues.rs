@@ -86,7 +86,14 @@ impl QueueMem {
         if let Backing::Unpinned = b {
             match PinnedPages::pin(&self.dma, &self.pfns()?, self.prot) {
                 Ok(p) => *b = Backing::Pinned(p),
-                Err(DmaError::FdLess { .. }) => *b = Backing::Copy,
+                Err(e @ DmaError::FdLess { .. }) => {
+                    tracing::info!(
+                        base = self.base,
+                        "nvme: queue memory cannot be pinned, served by copies through the \
+                         client (DMA_READ/DMA_WRITE, slower): {e}"
+                    );
+                    *b = Backing::Copy;
+                }
                 Err(e) => return Err(e),
             }
         }

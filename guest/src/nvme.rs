@@ -1,0 +1,146 @@
+//! NVMe with Linux's stock driver: `nvme` binds umdev's controller (loaded by /init from
+//! the initramfs), the namespace appears with the image's size, and O_DIRECT writes and
+//! reads of pattern data at several offsets and sizes verify; the host then checks that
+//! the image holds what the guest wrote (`UMDEV-IMAGE`).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::time::{Duration, Instant};
+
+use umdev_devices::ccw::driver::pattern;
+
+use crate::report::Report;
+
+/// The namespace size the host serves (`umdev run nvme --size 64M`).
+pub const NS_BYTES: u64 = 64 << 20;
+const DISK: &str = "/dev/nvme0n1";
+
+/// A 4096-aligned buffer for O_DIRECT.
+struct Aligned {
+    raw: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let raw = vec![0u8; len + 4096];
+        let off = (4096 - raw.as_ptr() as usize % 4096) % 4096;
+        Aligned { raw, off, len }
+    }
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut self.raw[self.off..self.off + self.len]
+    }
+}
+
+fn sysfs(path: &str) -> io::Result<String> {
+    Ok(std::fs::read_to_string(path)?.trim().to_string())
+}
+
+fn wait_disk(timeout: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if std::path::Path::new("/sys/block/nvme0n1/size").exists()
+            && std::path::Path::new(DISK).exists()
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let why = std::fs::read_to_string("/proc/modules").unwrap_or_default();
+    let loaded = if why.contains("nvme ") {
+        "nvme is loaded"
+    } else {
+        "nvme is not loaded (no nvme.ko in the guest's modules: rebuild it with scripts/qemu.sh guest)"
+    };
+    Err(io::Error::other(format!(
+        "no {DISK} after {timeout:?}; {loaded}"
+    )))
+}
+
+fn open_direct() -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(DISK)
+}
+
+/// Write `len` bytes of pattern `seed` at byte `pos` with O_DIRECT, read them back with
+/// O_DIRECT into a buffer that held something else, and compare.
+fn round_trip(f: &File, pos: u64, len: usize, seed: u64) -> Result<(), String> {
+    let mut out = Aligned::new(len);
+    pattern::fill(seed, pos, out.bytes());
+    f.write_all_at(out.bytes(), pos)
+        .map_err(|e| format!("write {len} at {pos}: {e}"))?;
+    let mut back = Aligned::new(len);
+    back.bytes().fill(0xa5);
+    f.read_exact_at(back.bytes(), pos)
+        .map_err(|e| format!("read {len} at {pos}: {e}"))?;
+    match pattern::first_mismatch(seed, pos, back.bytes()) {
+        None => Ok(()),
+        Some(at) => Err(format!("byte {at} of {len} at {pos} differs")),
+    }
+}
+
+/// Run the scenario.
+pub fn run(r: &mut Report) -> Option<()> {
+    r.ok("nvme.bound", wait_disk(Duration::from_secs(30)))?;
+    let sectors: u64 = r
+        .ok("nvme.size_read", sysfs("/sys/block/nvme0n1/size"))?
+        .parse()
+        .ok()?;
+    r.check(
+        "nvme.size",
+        sectors * 512 == NS_BYTES,
+        format_args!("{sectors} sectors"),
+    );
+    let model = sysfs("/sys/class/nvme/nvme0/model").unwrap_or_default();
+    r.check(
+        "nvme.model",
+        model.starts_with("umdev"),
+        format_args!("model {model:?}"),
+    );
+    let queues = std::fs::read_dir("/sys/block/nvme0n1/mq")
+        .map(|d| d.count())
+        .unwrap_or(0);
+    r.check(
+        "nvme.io_queues",
+        queues >= 1,
+        format_args!("{queues} blk-mq hardware queues"),
+    );
+    let f = r.ok("nvme.open_direct", open_direct())?;
+    // Sizes from one block to past MDTS (the block layer splits), offsets from the start to
+    // the last megabyte.
+    let cases: [(u64, usize); 6] = [
+        (0, 4096),
+        ((64 << 10) + 512 * 7, 512),
+        (1 << 20, 128 << 10),
+        (5 << 20, 1 << 20),
+        (33 << 20, 12 << 10),
+        (NS_BYTES - (256 << 10), 256 << 10),
+    ];
+    let start = Instant::now();
+    let mut bytes = 0;
+    for (i, &(pos, len)) in cases.iter().enumerate() {
+        let seed = 0x4e56_0000 + i as u64;
+        let res = round_trip(&f, pos, len, seed);
+        let ok = r.check(
+            &format!("nvme.direct_{i}"),
+            res.is_ok(),
+            res.err().unwrap_or_else(|| format!("{len} bytes at {pos}")),
+        );
+        if ok {
+            r.image(&format!("direct_{i}"), pos, len as u64, seed);
+            bytes += 2 * len;
+        }
+    }
+    r.measure(
+        "direct_round_trip",
+        bytes as f64 / start.elapsed().as_secs_f64() / 1e6,
+        "MB/s",
+    );
+    r.ok("nvme.fsync", f.sync_all())?;
+    Some(())
+}
