@@ -66,6 +66,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 4,
           value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_IO_QUEUES)))]
     pub io_queues: u16,
+    /// NVMe: threads of the I/O pool that runs the queues' reads and writes, so that a
+    /// queue's commands overlap (0: each queue's worker runs its own I/O, in order).
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(0..=64))]
+    pub io_threads: u16,
     /// NVMe: do not offer shadow doorbells (Doorbell Buffer Config): every doorbell then
     /// traps to this process.
     #[arg(long)]
@@ -160,6 +165,7 @@ pub fn build_device(
             cfg.size = args.size;
             cfg.max_io_queues = args.io_queues;
             cfg.shadow_doorbells = !args.no_shadow_doorbells;
+            cfg.io_threads = usize::from(args.io_threads);
             Box::new(PciAdapter::new(Nvme::new(cfg)?)?)
         }
     })

@@ -23,6 +23,7 @@ use umdev::irq::{Interrupts, IrqMode};
 use super::data::DataPath;
 use super::dbbuf::DbBuf;
 use super::namespace::Namespace;
+use super::pool::Job;
 use super::queues::{lock, Cq, Sq};
 use super::regs::CSTS_CFS;
 
@@ -183,11 +184,19 @@ pub struct Shared {
     pub tearing_down: AtomicBool,
     /// The shadow doorbell buffer, once the guest configured one.
     pub dbbuf: Mutex<Option<Arc<DbBuf>>>,
+    /// The I/O pool (None: I/O runs on the queue workers).
+    pub pool: Option<Sender<Job>>,
 }
 
 impl Shared {
     /// Shared state for a controller with `limits` on `ns`.
-    pub fn new(limits: Limits, dma: DmaHandle, irq: Interrupts, ns: Namespace) -> Shared {
+    pub fn new(
+        limits: Limits,
+        dma: DmaHandle,
+        irq: Interrupts,
+        ns: Namespace,
+        pool: Option<Sender<Job>>,
+    ) -> Shared {
         let n = usize::from(limits.max_io_queues) + 1;
         Shared {
             sqs: (0..n).map(|_| RwLock::new(None)).collect(),
@@ -205,6 +214,7 @@ impl Shared {
             data_pins: AtomicU64::new(0),
             tearing_down: AtomicBool::new(false),
             dbbuf: Mutex::new(None),
+            pool,
         }
     }
 
@@ -307,7 +317,7 @@ impl Shared {
         for slot in &self.sqs {
             let guard = slot.read().unwrap_or_else(|e| e.into_inner());
             if let Some(s) = &*guard {
-                drop(lock(&s.sq.pinning));
+                drop(s.sq.pinning.write().unwrap_or_else(|e| e.into_inner()));
                 s.sq.mem.release_in(iova, size);
             }
         }

@@ -2,26 +2,26 @@
 //!
 //! The pages are pinned with one `pin_pages` call on the whole array (so the DMA layer
 //! coalesces a guest's contiguous buffer into one run) and copied through the pins with
-//! [`PinnedPages`], under the submission queue's `pinning` lock, which the unmap notifier
-//! takes to wait for them; the pins are gone when the call returns. Memory mapped without
+//! [`PinnedPages`], under the submission queue's `pinning` lock (shared), which the unmap
+//! notifier takes exclusively to wait for them; the pins are gone when the call returns. Memory mapped without
 //! an fd cannot be pinned (`FdLess`): the data then goes through the DMA layer's copies
 //! (DMA_READ/DMA_WRITE messages to the client), one per run of consecutive pages, without
 //! the lock (the notifier must not wait for the client).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::RwLock;
 
 use umdev::dma::{DmaError, DmaHandle, PinnedPages, Prot, PAGE_SHIFT, PAGE_SIZE};
 
 use super::prp::Transfer;
-use super::queues::lock;
 
 /// What a data copy needs from its queue.
 pub struct DataPath<'a> {
     /// The controller's DMA handle.
     pub dma: &'a DmaHandle,
-    /// The submission queue's `pinning` lock.
-    pub pinning: &'a Mutex<()>,
+    /// The submission queue's `pinning` lock (shared: several of its commands may hold
+    /// pins at once; the unmap notifier takes it exclusively).
+    pub pinning: &'a RwLock<()>,
     /// Pages this controller holds pinned for data (for the tests' leak checks).
     pub pins_held: &'a AtomicU64,
 }
@@ -34,7 +34,7 @@ impl DataPath<'_> {
             return Ok(());
         }
         {
-            let _pinning = lock(self.pinning);
+            let _pinning = self.pinning.read().unwrap_or_else(|e| e.into_inner());
             match self.pin(t, Prot::WRITE) {
                 Ok(p) => return self.unpin_after(p, |p| p.write(t.offset, data)),
                 Err(DmaError::FdLess { .. }) => {}
@@ -54,7 +54,7 @@ impl DataPath<'_> {
             return Ok(());
         }
         {
-            let _pinning = lock(self.pinning);
+            let _pinning = self.pinning.read().unwrap_or_else(|e| e.into_inner());
             match self.pin(t, Prot::READ) {
                 Ok(p) => return self.unpin_after(p, |p| p.read(t.offset, buf)),
                 Err(DmaError::FdLess { .. }) => {}

@@ -10,8 +10,10 @@
 //! - the **controller thread** ([`ctl`]) enables, disables (controller reset) and shuts
 //!   down the controller;
 //! - one **worker per submission queue** ([`worker`]), the admin queue's included, fetches
-//!   commands through the ring's held pins ([`queues`]), executes them ([`admin`], [`io`]),
-//!   moves data through pinned PRP page arrays ([`prp`], [`data`]) and posts completions.
+//!   commands through the ring's held pins ([`queues`]), runs admin commands ([`admin`])
+//!   and hands I/O commands ([`io`]) to the **I/O pool** ([`pool`]), whose threads move
+//!   data through pinned PRP page arrays ([`prp`], [`data`]) and the image; the worker
+//!   posts the completions.
 //!
 //! A guest may write anything anywhere: bad fields complete with the status codes the spec
 //! defines, doorbells naming a missing queue or a value past the queue's size are ignored
@@ -29,6 +31,7 @@ pub mod dbbuf;
 pub mod identify;
 pub mod io;
 pub mod namespace;
+pub mod pool;
 pub mod prp;
 pub mod queues;
 pub mod regs;
@@ -85,6 +88,9 @@ pub struct NvmeConfig {
     /// Offer shadow doorbells (Doorbell Buffer Config, OACS bit 8): the guest then traps
     /// only to wake a sleeping queue worker.
     pub shadow_doorbells: bool,
+    /// Threads of the I/O pool shared by the queues (0: each queue's worker does its own
+    /// I/O, one command at a time).
+    pub io_threads: usize,
 }
 
 impl NvmeConfig {
@@ -99,6 +105,7 @@ impl NvmeConfig {
             mdts: 6,
             serial: "UMDEV0001".into(),
             shadow_doorbells: true,
+            io_threads: 4,
         }
     }
 
@@ -121,6 +128,8 @@ pub struct Nvme {
     asq: u64,
     acq: u64,
     blocks: u64,
+    io_threads: usize,
+    pool_threads: Vec<JoinHandle<()>>,
 }
 
 impl Nvme {
@@ -137,6 +146,8 @@ impl Nvme {
                 shadow_doorbells: config.shadow_doorbells,
             },
             blocks: ns.blocks(),
+            io_threads: config.io_threads.min(64),
+            pool_threads: Vec::new(),
             ns: Some(ns),
             shared: None,
             ctl: None,
@@ -396,7 +407,12 @@ impl PciDevice for Nvme {
             tracing::error!("nvme: attached twice");
             return;
         };
-        let shared = Arc::new(Shared::new(self.limits.clone(), dma, irq, ns));
+        let pool = (self.io_threads > 0).then(|| {
+            let (tx, handles) = pool::start(self.io_threads);
+            self.pool_threads = handles;
+            tx
+        });
+        let shared = Arc::new(Shared::new(self.limits.clone(), dma, irq, ns, pool));
         let (tx, rx) = crossbeam_channel::unbounded();
         let s = shared.clone();
         match std::thread::Builder::new()
@@ -444,6 +460,13 @@ impl Drop for Nvme {
         }
         if let Err(e) = self.flush() {
             tracing::warn!(error = %e, "nvme: image flush on drop failed");
+        }
+        // The last reference to the shared state holds the pool's sender: its threads end.
+        self.shared = None;
+        for h in self.pool_threads.drain(..) {
+            if h.join().is_err() {
+                tracing::error!("nvme: I/O thread panicked");
+            }
         }
     }
 }

@@ -20,7 +20,7 @@
 //! clears it stops the controller's DMA even though the ring stays pinned.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use crossbeam_channel::Sender;
 use umdev::dma::{DmaError, DmaHandle, PinnedPages, Prot, PAGE_SHIFT};
@@ -172,9 +172,10 @@ pub struct Sq {
     pub head: AtomicU32,
     /// Set to make the worker stop.
     pub stop: AtomicBool,
-    /// Held by the worker while it holds pins of a command's data; the unmap notifier
-    /// takes it to wait for them. Never held while waiting for the client.
-    pub pinning: Mutex<()>,
+    /// Held (shared) by every command of this queue while it holds pins of its data; the
+    /// unmap notifier takes it exclusively to wait for them. Never held while waiting for
+    /// the client.
+    pub pinning: RwLock<()>,
     /// The shadow doorbell buffer, once configured.
     pub dbbuf: OnceLock<Arc<DbBuf>>,
 }
@@ -194,7 +195,7 @@ impl Sq {
             tail: AtomicU32::new(0),
             head: AtomicU32::new(0),
             stop: AtomicBool::new(false),
-            pinning: Mutex::new(()),
+            pinning: RwLock::new(()),
             dbbuf: OnceLock::new(),
         }
     }

@@ -3,7 +3,9 @@
 //! A doorbell only stores the new tail and wakes the worker (a token in a one-slot
 //! channel, so wake-ups coalesce and an idle queue costs no CPU). The worker then runs
 //! every entry between its head and the tail: fetches it through the ring's held pins,
-//! executes it (admin or I/O), and posts the completion on its completion queue. When the
+//! executes it (admin commands on the worker, one at a time; I/O commands in the I/O pool,
+//! [`super::pool`], up to [`MAX_IN_FLIGHT`] at once, so they overlap and may complete out
+//! of order), and posts the completions on its completion queue. When the
 //! completion queue is full the completion is kept and the worker sleeps until the
 //! guest's head doorbell wakes it; no entry is fetched meanwhile. An interrupt follows a
 //! batch (at most [`BATCH`] completions), not every completion.
@@ -16,11 +18,14 @@ use std::io;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use crossbeam_channel::Receiver;
+use std::collections::VecDeque;
+
+use crossbeam_channel::{Receiver, Sender};
 
 use super::admin;
 use super::ctrl::{Shared, SqSlot};
 use super::io as nvm;
+use super::pool::Job;
 use super::prp;
 use super::queues::{lock, Cq, Posted, Sq};
 use super::spec::{Command, Completion, Status};
@@ -107,16 +112,79 @@ pub fn spawn(shared: Arc<Shared>, sq: Arc<Sq>, cq: Arc<Cq>) -> io::Result<Arc<Sq
     }))
 }
 
-fn run(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, wake: &Receiver<()>) {
-    let mut pending: Option<Completion> = None;
+/// Most commands of one queue in the I/O pool at once.
+pub const MAX_IN_FLIGHT: usize = 64;
+
+/// A worker's completions: ready to post, and on their way back from the pool.
+struct Flights {
+    ready: VecDeque<Completion>,
+    in_flight: usize,
+    done_tx: Sender<Completion>,
+    done_rx: Receiver<Completion>,
+}
+
+impl Flights {
+    fn collect(&mut self) {
+        while let Ok(c) = self.done_rx.try_recv() {
+            self.in_flight -= 1;
+            self.ready.push_back(c);
+        }
+    }
+}
+
+/// Sends a pool job's completion back to its worker, or Internal Error if the job ended
+/// without one (a panic), so that the worker never waits for it forever.
+struct Reply {
+    tx: Sender<Completion>,
+    completion: Completion,
+    sent: bool,
+}
+
+impl Reply {
+    fn send(mut self, outcome: Outcome) {
+        if let Outcome::Done { status, result } = outcome {
+            self.completion.status = status;
+            self.completion.result = result;
+        }
+        self.sent = true;
+        let _ = self.tx.send(self.completion);
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if !self.sent {
+            let _ = self.tx.send(self.completion);
+        }
+    }
+}
+
+fn run(shared: &Arc<Shared>, sq: &Arc<Sq>, cq: &Cq, wake: &Receiver<()>) {
+    let (done_tx, done_rx) = crossbeam_channel::unbounded();
+    let mut f = Flights {
+        ready: VecDeque::new(),
+        in_flight: 0,
+        done_tx,
+        done_rx,
+    };
     while !sq.stop.load(Ordering::SeqCst) {
-        serve(shared, sq, cq, &mut pending);
-        if shared.is_fatal() || !rearm(shared, sq, cq, pending.is_some()) {
-            // Nothing visible to do: sleep until a doorbell (or a stop).
-            if wake.recv().is_err() {
-                return;
+        serve(shared, sq, cq, &mut f);
+        let saturated = f.in_flight >= MAX_IN_FLIGHT;
+        if shared.is_fatal() || saturated || !rearm(shared, sq, cq, !f.ready.is_empty()) {
+            // Nothing visible to do: sleep until a doorbell, a command back from the pool,
+            // or a stop.
+            crossbeam_channel::select! {
+                recv(wake) -> r => if r.is_err() { break },
+                recv(f.done_rx) -> c => if let Ok(c) = c {
+                    f.in_flight -= 1;
+                    f.ready.push_back(c);
+                },
             }
         }
+    }
+    // The pool's commands of this queue hold pins and touch guest memory: wait for them.
+    while f.in_flight > 0 && f.done_rx.recv().is_ok() {
+        f.in_flight -= 1;
     }
 }
 
@@ -162,39 +230,34 @@ fn per_interrupt(shared: &Shared, cq: &Cq) -> u32 {
     }
 }
 
-/// Post `pending` if there is one; false if the queue is full or gone.
-fn flush(
-    shared: &Shared,
-    cq: &Cq,
-    pending: &mut Option<Completion>,
-    posted: &mut u32,
-    every: u32,
-) -> bool {
-    let Some(c) = pending.as_ref() else {
-        return true;
-    };
-    match cq.post(c) {
-        Ok(Posted::Done) => {
-            *pending = None;
-            *posted += 1;
-            if (*posted).is_multiple_of(every) {
-                shared.interrupt(cq);
+/// Post the ready completions in order (each with the SQ head as it is now); false if
+/// the queue is full or gone.
+fn flush(shared: &Shared, sq: &Sq, cq: &Cq, f: &mut Flights, posted: &mut u32, every: u32) -> bool {
+    while let Some(c) = f.ready.front_mut() {
+        c.sq_head = sq.head.load(Ordering::SeqCst) as u16;
+        match cq.post(c) {
+            Ok(Posted::Done) => {
+                f.ready.pop_front();
+                *posted += 1;
+                if (*posted).is_multiple_of(every) {
+                    shared.interrupt(cq);
+                }
             }
-            true
-        }
-        Ok(Posted::Full) => false,
-        Err(e) => {
-            shared.fatal(&format!(
-                "completion queue {} unwritable: {e}",
-                cq.params.id
-            ));
-            false
+            Ok(Posted::Full) => return false,
+            Err(e) => {
+                shared.fatal(&format!(
+                    "completion queue {} unwritable: {e}",
+                    cq.params.id
+                ));
+                return false;
+            }
         }
     }
+    true
 }
 
 /// Run everything that can run now.
-fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion>) {
+fn serve(shared: &Arc<Shared>, sq: &Arc<Sq>, cq: &Cq, f: &mut Flights) {
     let admin = sq.params.id == 0;
     let every = per_interrupt(shared, cq);
     let mut posted = 0u32;
@@ -202,15 +265,19 @@ fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion
         if sq.stop.load(Ordering::SeqCst) || shared.is_fatal() {
             break;
         }
-        if !flush(shared, cq, pending, &mut posted, every) {
+        f.collect();
+        if !flush(shared, sq, cq, f, &mut posted, every) {
             break;
         }
         let head = sq.head.load(Ordering::SeqCst);
         if admin {
             if let Some(c) = next_event(shared, head) {
-                *pending = Some(c);
+                f.ready.push_back(c);
                 continue;
             }
+        }
+        if f.in_flight >= MAX_IN_FLIGHT {
+            break;
         }
         match sq.published_tail() {
             Ok(tail) if tail == head => break,
@@ -232,6 +299,29 @@ fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion
         };
         let next = (head + 1) % sq.params.size;
         sq.head.store(next, Ordering::SeqCst);
+        let template = Completion {
+            result: 0,
+            sq_head: next as u16,
+            sq_id: sq.params.id,
+            cid: cmd.cid,
+            status: Status::INTERNAL_ERROR,
+        };
+        if !admin {
+            if let Some(pool) = &shared.pool {
+                let reply = Reply {
+                    tx: f.done_tx.clone(),
+                    completion: template,
+                    sent: false,
+                };
+                let (s, q) = (shared.clone(), sq.clone());
+                let job: Job = Box::new(move || reply.send(nvm::execute(&s, &q, &cmd)));
+                // If the pool is gone (shutting down), the dropped job's Reply reports
+                // Internal Error: either way one completion comes back.
+                let _ = pool.send(job);
+                f.in_flight += 1;
+                continue;
+            }
+        }
         let outcome = if admin {
             admin::execute(shared, sq, &cmd)
         } else {
@@ -247,12 +337,10 @@ fn serve(shared: &Arc<Shared>, sq: &Sq, cq: &Cq, pending: &mut Option<Completion
                     "nvme: command failed"
                 );
             }
-            *pending = Some(Completion {
-                result,
-                sq_head: next as u16,
-                sq_id: sq.params.id,
-                cid: cmd.cid,
+            f.ready.push_back(Completion {
                 status,
+                result,
+                ..template
             });
         }
     }
