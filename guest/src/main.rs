@@ -73,6 +73,11 @@ const SCENARIOS: &[Scenario] = &[
         nvme::run,
     ),
     (
+        "nvme-fs",
+        "NVMe: mke2fs, mount (ext4), files written, unmount, remount, files verified",
+        nvme::run_fs,
+    ),
+    (
         "unplug",
         "umdev remove of a GPU behind a root port: the guest ejects it, ccw keeps serving",
         unplug::run,

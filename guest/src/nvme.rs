@@ -15,6 +15,10 @@ use crate::report::Report;
 /// The namespace size the host serves (`umdev run nvme --size 64M`).
 pub const NS_BYTES: u64 = 64 << 20;
 const DISK: &str = "/dev/nvme0n1";
+/// Where the raw round trips start; the file system of `run_fs` lies below.
+const RAW: u64 = NS_BYTES / 2;
+/// The file system's size in KiB (the first half of the namespace).
+const FS_KIB: u64 = RAW / 1024;
 
 /// A 4096-aligned buffer for O_DIRECT.
 struct Aligned {
@@ -111,14 +115,14 @@ pub fn run(r: &mut Report) -> Option<()> {
         format_args!("{queues} blk-mq hardware queues"),
     );
     let f = r.ok("nvme.open_direct", open_direct())?;
-    // Sizes from one block to past MDTS (the block layer splits), offsets from the start to
-    // the last megabyte.
+    // Sizes from one block to past MDTS (the block layer splits), offsets across the second
+    // half of the namespace (the first holds nvme-fs's file system), up to its last bytes.
     let cases: [(u64, usize); 6] = [
-        (0, 4096),
-        ((64 << 10) + 512 * 7, 512),
-        (1 << 20, 128 << 10),
-        (5 << 20, 1 << 20),
-        (33 << 20, 12 << 10),
+        (RAW, 4096),
+        (RAW + (64 << 10) + 512 * 7, 512),
+        (RAW + (1 << 20), 128 << 10),
+        (RAW + (5 << 20), 1 << 20),
+        (RAW + (17 << 20), 12 << 10),
         (NS_BYTES - (256 << 10), 256 << 10),
     ];
     let start = Instant::now();
@@ -142,5 +146,65 @@ pub fn run(r: &mut Report) -> Option<()> {
         "MB/s",
     );
     r.ok("nvme.fsync", f.sync_all())?;
+    Some(())
+}
+
+fn sh(r: &mut Report, name: &str, prog: &str, args: &[&str]) -> Option<()> {
+    let out = std::process::Command::new(prog).args(args).output();
+    let out = r.ok(name, out)?;
+    let ok = out.status.success();
+    let detail = format!(
+        "{prog} {}: {} {}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    r.check(name, ok, detail).then_some(())
+}
+
+/// Pattern bytes of file `i` (its length and content are fixed by `i`).
+fn file_bytes(i: u64) -> Vec<u8> {
+    let mut v = vec![0u8; (1usize << (10 + 2 * i)) + 77 * i as usize];
+    pattern::fill(0x4653_0000 + i, 0, &mut v);
+    v
+}
+
+/// The file system scenario: mke2fs on the first half of the namespace, mounted with ext4,
+/// files of 1 KiB to 1 MiB written and synced, unmounted, mounted again and read back.
+pub fn run_fs(r: &mut Report) -> Option<()> {
+    r.ok("nvme-fs.bound", wait_disk(Duration::from_secs(30)))?;
+    let kib = FS_KIB.to_string();
+    sh(r, "nvme-fs.mke2fs", "/bin/mke2fs", &["-q", DISK, &kib])?;
+    r.ok("nvme-fs.mkdir", std::fs::create_dir_all("/mnt"))?;
+    sh(
+        r,
+        "nvme-fs.mount",
+        "/bin/mount",
+        &["-t", "ext4", DISK, "/mnt"],
+    )?;
+    r.ok("nvme-fs.subdir", std::fs::create_dir_all("/mnt/d"))?;
+    for i in 0..6u64 {
+        let res = std::fs::write(format!("/mnt/d/f{i}"), file_bytes(i));
+        r.ok(&format!("nvme-fs.write_{i}"), res)?;
+    }
+    sh(r, "nvme-fs.sync", "/bin/sync", &[])?;
+    sh(r, "nvme-fs.umount", "/bin/umount", &["/mnt"])?;
+    sh(
+        r,
+        "nvme-fs.remount",
+        "/bin/mount",
+        &["-t", "ext4", DISK, "/mnt"],
+    )?;
+    for i in 0..6u64 {
+        let got = std::fs::read(format!("/mnt/d/f{i}"));
+        let got = r.ok(&format!("nvme-fs.read_{i}"), got)?;
+        let want = file_bytes(i);
+        r.check(
+            &format!("nvme-fs.verify_{i}"),
+            got == want,
+            format_args!("{} bytes, want {}", got.len(), want.len()),
+        );
+    }
+    sh(r, "nvme-fs.umount_again", "/bin/umount", &["/mnt"])?;
     Some(())
 }
