@@ -78,6 +78,11 @@ const SCENARIOS: &[Scenario] = &[
         nvme::run_fs,
     ),
     (
+        "nvme-reboot",
+        "NVMe: a guest reboot with O_DIRECT writes in flight; the driver binds again after it",
+        nvme::run_reboot,
+    ),
+    (
         "unplug",
         "umdev remove of a GPU behind a root port: the guest ejects it, ccw keeps serving",
         unplug::run,

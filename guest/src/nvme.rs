@@ -208,3 +208,64 @@ pub fn run_fs(r: &mut Report) -> Option<()> {
     sh(r, "nvme-fs.umount_again", "/bin/umount", &["/mnt"])?;
     Some(())
 }
+
+/// Where `run_reboot` keeps its phase marker (a sector of the namespace itself).
+const MARK_OFF: u64 = 40 << 20;
+const MARK: &[u8; 8] = b"NVMEBOOT";
+
+fn read_mark(f: &File) -> io::Result<bool> {
+    let mut b = Aligned::new(4096);
+    f.read_exact_at(b.bytes(), MARK_OFF)?;
+    Ok(&b.bytes()[..8] == MARK)
+}
+
+fn write_mark(f: &File, set: bool) -> io::Result<()> {
+    let mut b = Aligned::new(4096);
+    if set {
+        b.bytes()[..8].copy_from_slice(MARK);
+    }
+    f.write_all_at(b.bytes(), MARK_OFF)?;
+    f.sync_all()
+}
+
+/// A guest reboot with I/O in flight. Phase 1 (no marker on the disk): writes the marker,
+/// starts a thread writing 128 KiB O_DIRECT blocks in a loop, and reboots while they are in
+/// flight (the kernel's shutdown path disables the controller, QEMU resets the device,
+/// SeaBIOS and Linux probe it again). Phase 2 (the marker found): the driver bound again,
+/// the marker is cleared, and a fresh O_DIRECT round trip verifies.
+pub fn run_reboot(r: &mut Report) -> Option<()> {
+    r.ok("nvme-reboot.bound", wait_disk(Duration::from_secs(30)))?;
+    let f = r.ok("nvme-reboot.open_direct", open_direct())?;
+    if r.ok("nvme-reboot.read_mark", read_mark(&f))? {
+        r.note("phase 2: the controller came back after the reboot");
+        r.ok("nvme-reboot.clear_mark", write_mark(&f, false))?;
+        let res = round_trip(&f, 48 << 20, 256 << 10, 0x5242_0002);
+        let ok = r.check(
+            "nvme-reboot.after",
+            res.is_ok(),
+            res.err().unwrap_or_default(),
+        );
+        if ok {
+            r.image("after_reboot", 48 << 20, 256 << 10, 0x5242_0002);
+        }
+        r.ok("nvme-reboot.fsync", f.sync_all())?;
+        return Some(());
+    }
+    r.ok("nvme-reboot.set_mark", write_mark(&f, true))?;
+    let writer = r.ok("nvme-reboot.open_writer", open_direct())?;
+    std::thread::spawn(move || {
+        let mut buf = Aligned::new(128 << 10);
+        let mut i = 0u64;
+        loop {
+            pattern::fill(i, 0, buf.bytes());
+            let _ = writer.write_all_at(buf.bytes(), (8 << 20) + (i % 128) * (128 << 10));
+            i += 1;
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    r.note("phase 1: rebooting with writes in flight");
+    // SAFETY: reboot(2) with RB_AUTOBOOT; it does not return on success.
+    unsafe { libc::reboot(libc::RB_AUTOBOOT) };
+    r.check("nvme-reboot.reboot", false, io::Error::last_os_error());
+    None
+}

@@ -12,7 +12,7 @@
 //! `QueueMem::backing`. None of them is held while waiting for the client.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -180,8 +180,6 @@ pub struct Shared {
     pub counters: Counters,
     /// Pages held pinned for command data right now.
     pub data_pins: AtomicU64,
-    /// Set while the controller is being torn down (no new queue workers).
-    pub tearing_down: AtomicBool,
     /// The shadow doorbell buffer, once the guest configured one.
     pub dbbuf: Mutex<Option<Arc<DbBuf>>>,
     /// The I/O pool (None: I/O runs on the queue workers).
@@ -212,7 +210,6 @@ impl Shared {
             aer: Mutex::new(Aer::default()),
             counters: Counters::default(),
             data_pins: AtomicU64::new(0),
-            tearing_down: AtomicBool::new(false),
             dbbuf: Mutex::new(None),
             pool,
         }
