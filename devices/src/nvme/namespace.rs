@@ -1,8 +1,8 @@
 //! The namespace: one raw image file, 512-byte logical blocks.
 //!
 //! Block `n` of namespace 1 is bytes `[512 n, 512 (n + 1))` of the image. Reads and writes
-//! are `pread`/`pwrite` on the worker thread of the submission queue the command came
-//! from (never on the connection thread); Flush is `fdatasync`; Write Zeroes and Dataset
+//! are `pread`/`pwrite` on a thread of the I/O pool (or on the submission queue's worker
+//! without one), never on the connection thread; Flush is `fdatasync`; Write Zeroes and Dataset
 //! Management's deallocate punch holes (`fallocate(PUNCH_HOLE)`), Write Zeroes falling
 //! back to writing zeroes where the filesystem cannot punch. A host I/O error becomes an
 //! NVMe status ([`io_status`]) and a log line at the caller.
