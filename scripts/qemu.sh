@@ -41,6 +41,8 @@ QEMU_FIX="unplug-fix"
 QEMU_PKGVERSION="umdev-$QEMU_FIX"
 QEMU_PREFIX="$CACHE/qemu-$QEMU_VERSION+$QEMU_FIX"
 GUEST_DIR="$CACHE/guest"
+# What the NVMe runs load: the stock driver, and ext4 (with crc32c) for the file system.
+GUEST_NVME_MODULES="nvme ext4 crc32c_generic"
 
 say() { printf 'qemu.sh: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -236,6 +238,8 @@ find_qemu() {
 # with dpkg -x (nothing installed on the host).
 find_guest() {
     if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -d "$GUEST_DIR/modules" ]; then
+        # A guest unpacked before the NVMe runs existed: add their modules.
+        add_guest_modules $GUEST_NVME_MODULES
         printf '%s\n' "$GUEST_DIR"; return
     fi
     mkdir -p "$CACHE"
@@ -279,12 +283,52 @@ find_guest() {
         order+=("$name")
         cp "$f" "$GUEST_DIR/modules/$name.ko"
     }
-    for m in uio_pci_generic vfio_pci vfio_iommu_type1; do add_module "$m"; done
+    for m in uio_pci_generic vfio_pci vfio_iommu_type1 $GUEST_NVME_MODULES; do add_module "$m"; done
     printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order"
     printf '%s\n' "$kver" >"$GUEST_DIR/kernel-version"
     rm -rf "$work"
     say "guest kernel $kver and busybox in $GUEST_DIR"
     printf '%s\n' "$GUEST_DIR"
+}
+
+# Add modules (and their dependencies) to an existing guest directory, from the package of
+# its own kernel version: files are only added, and modules/order is replaced atomically
+# (what is already listed keeps its place), so a run using the directory meanwhile is safe.
+add_guest_modules() {
+    mkdir -p "$CACHE"
+    exec 8>"$CACHE/.guest.lock"
+    flock 8
+    local missing=0 m
+    for m in "$@"; do [ -f "$GUEST_DIR/modules/${m//-/_}.ko" ] || missing=1; done
+    [ "$missing" = 1 ] || return 0
+    local kver work="$CACHE/build-guest-modules"
+    kver=$(cat "$GUEST_DIR/kernel-version")
+    rm -rf "$work"; mkdir -p "$work"
+    say "adding modules $* to the guest (apt-get download linux-image-$kver-unsigned; nothing is installed)"
+    (cd "$work" && apt-get -o APT::Sandbox::User=root download -q "linux-image-$kver-unsigned" >&2) \
+        || die "cannot download linux-image-$kver-unsigned for the modules $*"
+    dpkg -x "$work"/*.deb "$work/root"
+    local moddir="$work/root/lib/modules/$kver/kernel" order=()
+    mapfile -t order <"$GUEST_DIR/modules/order"
+    module_file() {
+        local pat="${1//[-_]/[-_]}"
+        find "$moddir" -regex ".*/$pat\.ko" | head -n1
+    }
+    add_module() {
+        local name="${1//-/_}" seen f dep
+        for seen in "${order[@]}"; do [ "$seen" = "$name" ] && return 0; done
+        f=$(module_file "$1")
+        [ -n "$f" ] || die "module $1 is not in the $kver package"
+        for dep in $(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr , ' '); do
+            add_module "$dep"
+        done
+        order+=("$name")
+        cp "$f" "$GUEST_DIR/modules/$name.ko"
+    }
+    for m in "$@"; do add_module "$m"; done
+    printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order.new"
+    mv "$GUEST_DIR/modules/order.new" "$GUEST_DIR/modules/order"
+    rm -rf "$work"
 }
 
 case "${1:-}" in

@@ -30,6 +30,9 @@ pub enum DeviceKind {
     Gpu,
     /// ccw-style channel block device backed by an image file.
     Ccw,
+    /// NVMe 1.4 controller with one namespace on a raw image file (Linux's stock `nvme`
+    /// driver binds it).
+    Nvme,
 }
 
 #[derive(Subcommand, Debug)]

@@ -10,6 +10,7 @@ use umdev::pci::PciAdapter;
 use umdev::server::{PollMode, Server, ServerConfig, TerminationSignals};
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::{Gpu, GpuConfig};
+use umdev_devices::nvme::{Nvme, NvmeConfig, MAX_IO_QUEUES};
 
 use crate::{CliResult, DeviceKind};
 
@@ -40,7 +41,11 @@ impl From<PolicyArg> for PinPolicy {
     after_help = "QEMU 10.1+ attaches with (guest RAM must be a shared memfd for pinning):\n  \
 qemu-system-x86_64 -machine q35 \\\n    \
 -object memory-backend-memfd,id=mem,size=1G,share=on -machine memory-backend=mem \\\n    \
--device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"/run/umdev/gpu.sock\"}}'"
+-device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"/run/umdev/gpu.sock\"}}'\n\n\
+NVMe: `umdev run nvme --image disk.img --size 1G --socket /run/umdev/nvme.sock` serves one \
+namespace on disk.img (512-byte blocks); the guest's stock nvme driver binds it. Without a \
+shared memfd memory backend the controller still works, through DMA_READ/DMA_WRITE \
+messages (slower). Shadow doorbells are offered unless --no-shadow-doorbells."
 )]
 pub struct RunArgs {
     /// Device to serve.
@@ -48,9 +53,28 @@ pub struct RunArgs {
     /// Path of the vfio-user UNIX socket to create.
     #[arg(long, value_name = "PATH")]
     pub socket: PathBuf,
-    /// Backing image file of the ccw device (created if missing).
+    /// Backing image file of the ccw device (created if missing) or of the NVMe
+    /// namespace (created if missing when --size is given).
     #[arg(long, value_name = "FILE", default_value = "umdev-ccw.img")]
     pub image: PathBuf,
+    /// NVMe: namespace size in bytes (suffixes K, M, G, T: powers of 1024); a missing
+    /// image is created, a shorter one grown sparsely. Default: the image's size.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// NVMe: most I/O queue pairs the guest may create (one worker thread and one MSI-X
+    /// vector each).
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_IO_QUEUES)))]
+    pub io_queues: u16,
+    /// NVMe: threads of the I/O pool that runs the queues' reads and writes, so that a
+    /// queue's commands overlap (0: each queue's worker runs its own I/O, in order).
+    #[arg(long, value_name = "N", default_value_t = 4,
+          value_parser = clap::value_parser!(u16).range(0..=64))]
+    pub io_threads: u16,
+    /// NVMe: do not offer shadow doorbells (Doorbell Buffer Config): every doorbell then
+    /// traps to this process.
+    #[arg(long)]
+    pub no_shadow_doorbells: bool,
     /// Capacity of a newly created ccw image, in MiB.
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     pub image_size_mib: u64,
@@ -85,6 +109,33 @@ pub struct RunArgs {
     pub write_multiple: bool,
 }
 
+/// A byte count with an optional K/M/G/T suffix (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("unknown size suffix in {s:?} (use K, M, G or T)")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = num.parse().map_err(|e| format!("size {s:?}: {e}"))?;
+    let bytes = n
+        .checked_shl(shift)
+        .filter(|b| b >> shift == n)
+        .ok_or(format!("size {s:?} is too large"))?;
+    if bytes < 512 {
+        return Err(format!("size {s:?} is less than one 512-byte block"));
+    }
+    Ok(bytes)
+}
+
 fn parse_mode(s: &str) -> Result<u32, String> {
     let v = u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .map_err(|e| format!("socket mode must be octal (e.g. 600): {e}"))?;
@@ -112,6 +163,21 @@ pub fn build_device(
                 CcwConfig::new(&args.image).with_capacity(blocks)
             };
             Box::new(PciAdapter::new(Ccw::new(cfg)?)?)
+        }
+        DeviceKind::Nvme => {
+            if args.size.is_none() && !args.image.exists() {
+                return Err(format!(
+                    "nvme: image {} does not exist; give --size to create it",
+                    args.image.display()
+                )
+                .into());
+            }
+            let mut cfg = NvmeConfig::new(&args.image);
+            cfg.size = args.size;
+            cfg.max_io_queues = args.io_queues;
+            cfg.shadow_doorbells = !args.no_shadow_doorbells;
+            cfg.io_threads = usize::from(args.io_threads);
+            Box::new(PciAdapter::new(Nvme::new(cfg)?)?)
         }
     })
 }

@@ -97,3 +97,53 @@ fn test_run_rejects_bad_socket_mode() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("octal"));
 }
+
+#[test]
+fn test_run_nvme_creates_image_serves_nvme_class_and_stops_on_sigint() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nvme.sock");
+    let image = dir.path().join("disk.img");
+    let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "nvme", "--size", "8M", "--io-queues", "2", "--image"])
+        .arg(&image)
+        .arg("--socket")
+        .arg(&sock)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(&sock);
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 8 << 20);
+    let mut vmm = Vmm::connect(&sock).unwrap();
+    assert_eq!(
+        vmm.read32(7, 0x08).unwrap() >> 8,
+        0x01_08_02,
+        "NVMe class code"
+    );
+    assert_eq!(vmm.read32(0, 0x08).unwrap(), 0x0001_0400, "VS 1.4");
+    drop(vmm);
+    // SAFETY: sending SIGINT to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+}
+
+#[test]
+fn test_run_nvme_without_image_or_size_explains() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "nvme", "--socket"])
+        .arg(dir.path().join("s.sock"))
+        .arg("--image")
+        .arg(dir.path().join("missing.img"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--size"));
+    let out = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "nvme", "--socket", "/tmp/x.sock", "--size", "12Q"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("suffix"));
+}

@@ -1,4 +1,5 @@
-//! Example umdev devices: a gvt-style GPU and a ccw-style channel block device.
+//! Example umdev devices: a gvt-style GPU, a ccw-style channel block device and an NVMe
+//! controller.
 //!
 //! The GPU, served on a socket and driven by its guest driver through umdev's embedded VMM
 //! (the `testing` features of `umdev` and of this crate): a mode, a command ring in guest
@@ -33,6 +34,10 @@
 //! - [`ccw`]: channel programs of chained command words and IDAW lists, every data page
 //!   pinned with one `pin_pages` call per direction, I/O against an image file.
 //!   Formats: `protocol-docs/devices/ccw.md`.
+//! - [`nvme`]: an NVMe 1.4 controller that Linux's stock `nvme` driver binds: admin and
+//!   I/O queues in guest memory held pinned across commands, PRP lists pinned as one page
+//!   array per command, one worker thread per submission queue, a raw image namespace.
+//!   Behaviour and status codes: `protocol-docs/devices/nvme.md`.
 //! - `testing` (with the `testing` feature): the devices' guest drivers on umdev's test
 //!   harness (BAR0 as the GPU driver's register access, guest memory as its RAM, a ccw
 //!   program's round trip).
@@ -45,5 +50,6 @@
 
 pub mod ccw;
 pub mod gpu;
+pub mod nvme;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -13,6 +13,7 @@ mod gpu_kit;
 mod hello;
 mod mem;
 mod mmio;
+mod nvme;
 mod pci;
 mod report;
 mod uio;
@@ -71,6 +72,21 @@ const SCENARIOS: &[Scenario] = &[
         "ccw-plain",
         "ccw on plain RAM: data pages cannot be pinned",
         ccw::run_plain,
+    ),
+    (
+        "nvme",
+        "NVMe with the stock nvme driver: namespace size, O_DIRECT round trips, image",
+        nvme::run,
+    ),
+    (
+        "nvme-fs",
+        "NVMe: mke2fs, mount (ext4), files written, unmount, remount, files verified",
+        nvme::run_fs,
+    ),
+    (
+        "nvme-reboot",
+        "NVMe: a guest reboot with O_DIRECT writes in flight; the driver binds again after it",
+        nvme::run_reboot,
     ),
     (
         "unplug",

@@ -1,4 +1,4 @@
-//! The ccw image after a guest run. The guest announces with `UMDEV-IMAGE` which image bytes
+//! The ccw (or NVMe) image after a guest run. The guest announces with `UMDEV-IMAGE` which image bytes
 //! it left holding which pattern; once the server has stopped (every WRITE reached the file
 //! with `pwrite`, SIGTERM flushed it) the host reads the file and regenerates the expected
 //! bytes with the generator the guest filled its buffers from
@@ -12,13 +12,19 @@ use umdev_devices::ccw::driver::pattern;
 
 use crate::report::{Check, ImageExpect};
 
-/// One check per announced region: `ccw.image.<scenario>.<name>`.
+/// One check per announced region: `<device>.image.<scenario>.<name>` (device `nvme` for
+/// the nvme scenarios' regions, else `ccw`).
 pub fn checks(image: &Path, expects: &[ImageExpect]) -> Vec<Check> {
     let file = File::open(image);
     expects
         .iter()
         .map(|e| {
-            let name = format!("ccw.image.{}.{}", e.scenario, e.name);
+            let dev = if e.scenario.starts_with("nvme") {
+                "nvme"
+            } else {
+                "ccw"
+            };
+            let name = format!("{dev}.image.{}.{}", e.scenario, e.name);
             let file = match &file {
                 Ok(f) => f,
                 Err(err) => return Check::new(name, false, format!("{}: {err}", image.display())),

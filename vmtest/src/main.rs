@@ -97,6 +97,55 @@ const PLANS: &[Plan] = &[
         builtin: &[],
     },
     Plan {
+        name: "nvme",
+        what: "NVMe with the guest's stock nvme driver, memfd RAM (pinned rings and PRP pages)",
+        ram: Ram::Memfd,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme", "nvme-fs"],
+        host_checks: None,
+        needs_unplug_fix: false,
+        builtin: &[],
+    },
+    Plan {
+        name: "nvme-plain",
+        what: "NVMe with the stock driver on plain RAM: rings and data through DMA_READ/WRITE",
+        ram: Ram::Plain,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme", "nvme-fs"],
+        host_checks: None,
+        needs_unplug_fix: false,
+        builtin: &[],
+    },
+    Plan {
+        name: "nvme-viommu",
+        what: "NVMe with the stock driver behind intel-iommu: every I/O's pages mapped and \
+               unmapped by the guest's IOMMU driver",
+        ram: Ram::Memfd,
+        viommu: true,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme", "nvme-fs"],
+        host_checks: None,
+        needs_unplug_fix: false,
+        builtin: &[],
+    },
+    Plan {
+        name: "nvme-reboot",
+        what: "NVMe: the guest reboots with writes in flight, the stock driver binds again",
+        ram: Ram::Memfd,
+        viommu: false,
+        allow_reboot: true,
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme-reboot"],
+        host_checks: Some(booted_twice),
+        needs_unplug_fix: false,
+        builtin: &[],
+    },
+    Plan {
         name: "viommu",
         what: "the GPU behind intel-iommu (caching mode), driven through the guest's VFIO",
         ram: Ram::Memfd,
@@ -160,6 +209,18 @@ fn viommu_checks(log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check> {
     v
 }
 
+/// A run whose guest reboots once on purpose must have booted exactly twice.
+fn booted_twice(log: &GuestLog, _servers: &[server::Outcome]) -> Vec<Check> {
+    vec![Check::new(
+        "guest_booted_twice",
+        log.boots == 2,
+        format!(
+            "{} UMDEV-BOOT lines (want 2: before and after the reboot)",
+            log.boots
+        ),
+    )]
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum AccelArg {
     /// KVM if it boots a kernel here, else TCG (the verdict is cached).
@@ -177,6 +238,10 @@ enum AccelArg {
     after_help = "Usually run as scripts/vm-tests.sh, which supplies every path below.\n\
 Guest runs:\n  memfd    guest RAM as a shared memfd (devices pin guest pages)\n  \
 plain    plain guest RAM (DMA_READ/DMA_WRITE; pins refused with a hint)\n  \
+nvme     the NVMe controller with the guest's stock nvme driver (memfd RAM)\n  \
+nvme-plain  the same on plain RAM (DMA_READ/DMA_WRITE)\n  \
+nvme-viommu the same behind intel-iommu\n  \
+nvme-reboot a guest reboot with NVMe writes in flight\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
 unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
 vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
@@ -475,9 +540,19 @@ fn run_processes(
             plan.ram == Ram::Plain && scenarios.iter().any(|sc| sc.starts_with(s.kind.name()));
         checks.extend(s.checks(pinned_fdless));
     }
-    // Only now: the ccw server has stopped and flushed its image.
+    // Only now: the ccw and NVMe servers have stopped and flushed their images.
     if let Some(log) = guest_log.as_ref().filter(|l| !l.images.is_empty()) {
-        checks.extend(image::checks(&server::ccw_image(dir), &log.images));
+        let (nvme, ccw): (Vec<_>, Vec<_>) = log
+            .images
+            .iter()
+            .cloned()
+            .partition(|e| e.scenario.starts_with("nvme"));
+        if !ccw.is_empty() {
+            checks.extend(image::checks(&server::ccw_image(dir), &ccw));
+        }
+        if !nvme.is_empty() {
+            checks.extend(image::checks(&server::nvme_image(dir), &nvme));
+        }
     }
     if let (Some(host_checks), Some(log)) = (plan.host_checks, &guest_log) {
         checks.extend(host_checks(log, &stopped));

@@ -1,4 +1,4 @@
-//! umdev servers as a user runs them next to QEMU: `umdev run gpu|ccw` and the hello
+//! umdev servers as a user runs them next to QEMU: `umdev run gpu|ccw|nvme` and the hello
 //! example's `--serve` mode, each a separate process with its log in a file, stopped with
 //! SIGTERM; and the host-side checks made on them after a guest run.
 
@@ -19,6 +19,8 @@ pub enum Kind {
     Ccw,
     /// `examples/hello --serve`.
     Hello,
+    /// `umdev run nvme` with a fresh 64 MiB image.
+    Nvme,
 }
 
 impl Kind {
@@ -28,6 +30,7 @@ impl Kind {
             Kind::Gpu => "gpu",
             Kind::Ccw => "ccw",
             Kind::Hello => "hello",
+            Kind::Nvme => "nvme",
         }
     }
 }
@@ -35,6 +38,11 @@ impl Kind {
 /// The ccw server's image in a guest run's directory.
 pub fn ccw_image(dir: &Path) -> PathBuf {
     dir.join("ccw.img")
+}
+
+/// The NVMe server's image in a guest run's directory.
+pub fn nvme_image(dir: &Path) -> PathBuf {
+    dir.join("nvme.img")
 }
 
 /// The binaries under test.
@@ -82,6 +90,14 @@ impl Server {
                         .arg(ccw_image(dir))
                         .args(["--image-size-mib", "16"]);
                 }
+                c
+            }
+            Kind::Nvme => {
+                let mut c = Command::new(&bins.umdev);
+                c.args(["run", "nvme", "--size", "64M", "--socket"])
+                    .arg(&socket)
+                    .arg("--image")
+                    .arg(nvme_image(dir));
                 c
             }
             Kind::Hello => {
