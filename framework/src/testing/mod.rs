@@ -14,7 +14,7 @@
 //! impl PciDevice for Adder {
 //!     fn config(&self) -> PciConfig {
 //!         let bar = BarSpec { index: 0, size: 4096, kind: BarKind::Mmio32, prefetchable: false, shared: None };
-//!         PciConfig { ids: PciIds::default(), bars: vec![bar], intx: true, msi_vectors: 0, msix: None, registers: vec![] }
+//!         PciConfig { ids: PciIds::default(), bars: vec![bar], intx: true, msi_vectors: 0, msix: None, registers: vec![], vendor_capabilities: vec![] }
 //!     }
 //!     fn attach(&mut self, dma: DmaHandle, _irq: Interrupts) {
 //!         self.0 = Some(dma);
