@@ -55,6 +55,8 @@
 //! - [`irq`]: eventfd triggering and masking.
 //! - [`instance`]: parents, types and instances (the mdev model), above `server`.
 //! - [`migration`]: live migration: device states, what a device does to migrate, state encoding.
+//! - [`virtio`]: the virtio 1.x PCI transport (modern) and split virtqueues, for devices that
+//!   stock guest drivers drive.
 //!
 //! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
 //! temp-dir socket and drive it with an embedded VMM (see its module documentation).
@@ -75,3 +77,4 @@ pub mod protocol;
 pub mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod virtio;
