@@ -47,3 +47,4 @@ pub mod ccw;
 pub mod gpu;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod virtio_gpu;

@@ -98,7 +98,7 @@ mod tests;
 
 pub use chain::{DescChain, Segment, MAX_INDIRECT_DESCRIPTORS};
 pub use error::VirtioError;
-pub use pinned_chain::PinnedChain;
+pub use pinned_chain::{PinnedBuffers, PinnedChain};
 pub use queue::Virtqueue;
 pub use transport::{ConfigNotifier, VirtioPci, BAR0_SIZE};
 

@@ -5,17 +5,34 @@ use crate::dma::{DmaError, DmaHandle, PinnedPages, PAGE_SIZE};
 
 use super::chain::{pages_of, side_prot, DescChain, Segment};
 
-/// One direction of a chain: its pinned pages and where each buffer starts in them.
+/// A scatter list of guest buffers pinned as one page array (one `pin_pages` call:
+/// coalesced, all or nothing) and addressed as one byte stream: the buffers' bytes one
+/// after the other. One direction of a [`PinnedChain`]; a device also keeps these for
+/// buffers that outlive a chain (a virtio-gpu resource's backing). Unpinned on drop: drop
+/// it before your unmap notifier returns for its range.
 #[derive(Debug)]
-struct Side {
+pub struct PinnedBuffers {
     pages: Option<PinnedPages>,
     /// Per buffer: (byte offset of the buffer in the pinned pages, length).
     spans: Vec<(u64, u64)>,
     len: u64,
 }
 
-impl Side {
-    fn pin(dma: &DmaHandle, segments: &[Segment], writable: bool) -> Result<Side, DmaError> {
+impl PinnedBuffers {
+    /// Pin `segments` (each non-empty and not wrapping, as [`DescChain`] guarantees; an
+    /// empty or wrapping one is an `InvalidArgument` error), readable, or writable if
+    /// `writable`.
+    pub fn pin(
+        dma: &DmaHandle,
+        segments: &[Segment],
+        writable: bool,
+    ) -> Result<PinnedBuffers, DmaError> {
+        if segments
+            .iter()
+            .any(|s| s.len == 0 || s.addr.checked_add(u64::from(s.len) - 1).is_none())
+        {
+            return Err(DmaError::InvalidArgument("empty or wrapping buffer"));
+        }
         let mut spans = Vec::with_capacity(segments.len());
         let mut page = 0u64;
         let mut len = 0u64;
@@ -35,7 +52,42 @@ impl Side {
                 side_prot(writable),
             )?)
         };
-        Ok(Side { pages, spans, len })
+        Ok(PinnedBuffers { pages, spans, len })
+    }
+
+    /// Bytes in the stream.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True if there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True if any buffer touches `[iova, iova + size)` (for an unmap notifier).
+    pub fn overlaps(&self, iova: u64, size: u64) -> bool {
+        let end = iova.saturating_add(size);
+        self.pages.as_ref().is_some_and(|p| {
+            p.pfns().iter().any(|&pfn| {
+                let a = pfn << crate::dma::PAGE_SHIFT;
+                a < end && iova < a.saturating_add(PAGE_SIZE)
+            })
+        })
+    }
+
+    /// Copy `buf.len()` bytes at `pos` of the stream into `buf` (pinned readable).
+    pub fn read(&self, pos: u64, buf: &mut [u8]) -> Result<(), DmaError> {
+        self.each(pos, buf.len() as u64, |pages, at, i, n| {
+            pages.read(at, &mut buf[i..i + n])
+        })
+    }
+
+    /// Copy `data` to `pos` of the stream (pinned writable).
+    pub fn write(&self, pos: u64, data: &[u8]) -> Result<(), DmaError> {
+        self.each(pos, data.len() as u64, |pages, at, i, n| {
+            pages.write(at, &data[i..i + n])
+        })
     }
 
     /// Call `f(offset in the pinned pages, position in the stream range, bytes)` for each
@@ -81,15 +133,15 @@ impl Side {
 #[derive(Debug)]
 pub struct PinnedChain {
     head: u16,
-    readable: Side,
-    writable: Side,
+    readable: PinnedBuffers,
+    writable: PinnedBuffers,
 }
 
 impl PinnedChain {
     pub(crate) fn pin(dma: &DmaHandle, chain: &DescChain) -> Result<PinnedChain, DmaError> {
-        let readable = Side::pin(dma, chain.readable(), false)?;
+        let readable = PinnedBuffers::pin(dma, chain.readable(), false)?;
         // On error `readable` is dropped here: its pages are unpinned.
-        let writable = Side::pin(dma, chain.writable(), true)?;
+        let writable = PinnedBuffers::pin(dma, chain.writable(), true)?;
         Ok(PinnedChain {
             head: chain.head(),
             readable,
