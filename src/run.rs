@@ -91,7 +91,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     pub gpu_memory_mib: u64,
     /// virtio-gpu: when umdev stops (Ctrl-C, SIGTERM), write what scanout 0 shows, with
-    /// the cursor, to FILE as PNG.
+    /// the cursor, to FILE as PNG (if the guest reset the device, as at power-off, what
+    /// it showed before).
     #[arg(long, value_name = "FILE")]
     pub screenshot_on_exit: Option<PathBuf>,
 }
@@ -177,7 +178,7 @@ pub fn run(args: RunArgs) -> CliResult {
     sigs.serve_until_signal(server, &dma)?;
     dma.set_pin_recorder(None);
     if let (Some(path), Some(display)) = (&args.screenshot_on_exit, display) {
-        match display.screenshot(0) {
+        match display.last_frame(0) {
             Some(image) => {
                 image
                     .write_png(path)
@@ -189,7 +190,7 @@ pub fn run(args: RunArgs) -> CliResult {
                     path.display()
                 );
             }
-            None => tracing::warn!("scanout 0 shows nothing: no screenshot written"),
+            None => tracing::warn!("scanout 0 never showed anything: no screenshot written"),
         }
     }
     Ok(())

@@ -392,7 +392,18 @@ fn test_virtio_gpu_backing_pins_are_dropped_by_unmap_and_reset() {
     let mut g = start(VirtioGpuConfig::default());
     assert_eq!(g.create(1, 64, 64), resp::OK_NODATA);
     assert_eq!(g.attach(1, &[(BACKING, 64 * 64 * 4)]), resp::OK_NODATA);
+    assert_eq!(
+        g.simple(cmd::SET_SCANOUT, &[0, 0, 64, 64, 0, 1]),
+        resp::OK_NODATA
+    );
+    let shown = g.gpu.screenshot(0).unwrap();
     g.drv.set_status(&mut g.vmm, 0).unwrap(); // virtio reset
+    assert!(g.gpu.screenshot(0).is_none(), "nothing shown after a reset");
+    assert_eq!(
+        g.gpu.last_frame(0),
+        Some(shown),
+        "the frame before the reset"
+    );
     assert_eq!(g.gpu.resources(), (0, 0));
     assert_eq!(g.gpu.memory().0, 0);
     g.server.assert_space_unpinned();

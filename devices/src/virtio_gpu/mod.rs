@@ -93,6 +93,13 @@ impl VirtioGpuHandle {
         screenshot::capture(&lock(&self.state), index)
     }
 
+    /// What scanout `index` shows now or, if it shows nothing, what it showed before the
+    /// last reset (a guest that powers off resets the device first).
+    pub fn last_frame(&self, index: usize) -> Option<Image> {
+        let s = lock(&self.state);
+        screenshot::capture(&s, index).or_else(|| s.before_reset.get(index).cloned().flatten())
+    }
+
     /// The display mode of scanout `index`.
     pub fn mode(&self, index: usize) -> Option<(u32, u32)> {
         lock(&self.state)

@@ -83,6 +83,9 @@ pub struct GpuState {
     pub budget: u64,
     /// Whether EDID was offered.
     pub edid: bool,
+    /// What each scanout showed when the device was last reset (a guest shutting down
+    /// resets it: a screenshot taken after that shows the last frame).
+    pub before_reset: Vec<Option<super::screenshot::Image>>,
 }
 
 impl GpuState {
@@ -102,11 +105,17 @@ impl GpuState {
             used: 0,
             budget,
             edid,
+            before_reset: vec![None; modes.len()],
         }
     }
 
     /// Back to power-on: no resources (pins and host memory released), nothing shown.
     pub fn reset(&mut self) {
+        for i in 0..self.scanouts.len() {
+            if let Some(image) = super::screenshot::capture(self, i) {
+                self.before_reset[i] = Some(image);
+            }
+        }
         self.resources.clear();
         self.used = 0;
         for s in &mut self.scanouts {
