@@ -235,7 +235,8 @@ find_qemu() {
 # The guest: Debian stable's newest 6.1 kernel (unsigned image) and busybox-static, unpacked
 # with dpkg -x (nothing installed on the host).
 find_guest() {
-    if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -d "$GUEST_DIR/modules" ]; then
+    # A cache from before a module was added to the list below is rebuilt.
+    if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -f "$GUEST_DIR/modules/virtio_gpu.ko" ]; then
         printf '%s\n' "$GUEST_DIR"; return
     fi
     mkdir -p "$CACHE"
@@ -279,7 +280,8 @@ find_guest() {
         order+=("$name")
         cp "$f" "$GUEST_DIR/modules/$name.ko"
     }
-    for m in uio_pci_generic vfio_pci vfio_iommu_type1; do add_module "$m"; done
+    # virtio_pci and virtio_gpu: the stock driver of umdev's virtio-gpu (and their drm deps).
+    for m in uio_pci_generic vfio_pci vfio_iommu_type1 virtio_pci virtio_gpu; do add_module "$m"; done
     printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order"
     printf '%s\n' "$kver" >"$GUEST_DIR/kernel-version"
     rm -rf "$work"

@@ -19,6 +19,8 @@ pub enum Kind {
     Ccw,
     /// `examples/hello --serve`.
     Hello,
+    /// `umdev run virtio-gpu --screenshot-on-exit <dir>/virtio-gpu.png`.
+    VirtioGpu,
 }
 
 impl Kind {
@@ -28,6 +30,7 @@ impl Kind {
             Kind::Gpu => "gpu",
             Kind::Ccw => "ccw",
             Kind::Hello => "hello",
+            Kind::VirtioGpu => "virtio-gpu",
         }
     }
 }
@@ -35,6 +38,11 @@ impl Kind {
 /// The ccw server's image in a guest run's directory.
 pub fn ccw_image(dir: &Path) -> PathBuf {
     dir.join("ccw.img")
+}
+
+/// Where the virtio-gpu server writes its screenshot when it stops.
+pub fn screenshot(dir: &Path) -> PathBuf {
+    dir.join("virtio-gpu.png")
 }
 
 /// The binaries under test.
@@ -74,6 +82,12 @@ impl Server {
         let socket = dir.join(format!("{}.sock", kind.name()));
         let log = dir.join(format!("{}.log", kind.name()));
         let mut cmd = match kind {
+            Kind::VirtioGpu => {
+                let mut c = Command::new(&bins.umdev);
+                c.args(["run", "virtio-gpu", "--socket"]).arg(&socket);
+                c.arg("--screenshot-on-exit").arg(screenshot(dir));
+                c
+            }
             Kind::Gpu | Kind::Ccw => {
                 let mut c = Command::new(&bins.umdev);
                 c.arg("run").arg(kind.name()).arg("--socket").arg(&socket);

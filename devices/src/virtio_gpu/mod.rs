@@ -49,6 +49,12 @@ pub const VIRTIO_ID_GPU: u16 = 16;
 /// PCI class: display controller, other.
 pub const CLASS_DISPLAY_OTHER: u32 = 0x03_80_00;
 
+/// The XRGB8888 pattern the real-VMM suite's guest writes to `/dev/fb0` and the host finds
+/// pixel for pixel in the screenshot: the colour of pixel (`x`, `y`) as `0x00RRGGBB`.
+pub fn test_pattern(x: u32, y: u32) -> u32 {
+    ((x.wrapping_mul(3) & 0xff) << 16) | ((y.wrapping_mul(5) & 0xff) << 8) | ((x ^ y) & 0xff)
+}
+
 /// How a virtio-gpu instance is set up.
 #[derive(Clone, Debug)]
 pub struct VirtioGpuConfig {
