@@ -431,3 +431,28 @@ proptest! {
         prop_assert_eq!(space.stats().pinned_pages, 0);
     }
 }
+
+#[test]
+fn test_virtio_bus_master_off_refuses_ring_access_and_needs_reset() {
+    let mut s = setup(ALL);
+    let head = s
+        .drv
+        .add_chain(&mut s.vmm, 0, &[(DATA, 4, false), (DATA + 64, 4, true)])
+        .unwrap();
+    s.drv.publish(&mut s.vmm, 0, head).unwrap();
+    let cmd = s.vmm.command().unwrap();
+    s.vmm
+        .set_command(cmd & !crate::testing::PCI_COMMAND_MASTER)
+        .unwrap();
+    s.drv.kick(&mut s.vmm, 0).unwrap();
+    // The ring read is refused: nothing completes, the device asks for a reset, and no
+    // MSI-X goes out (a message is a bus-master write).
+    assert!(needs_reset(&mut s));
+    assert_eq!(s.counters.completed.load(SeqCst), 0);
+    assert_eq!(s.drv.take_used(&mut s.vmm, 0).unwrap(), None);
+    assert!(!s
+        .vmm
+        .wait_irq_serving(&s.msix[1], Duration::from_millis(50))
+        .unwrap());
+    s.server.assert_space_unpinned();
+}
