@@ -106,6 +106,7 @@ impl PciDevice for Hello {
             msi_vectors: 1,
             msix: None,
             registers: Vec::new(),
+            vendor_capabilities: Vec::new(),
         }
     }
 

@@ -41,8 +41,11 @@ QEMU_FIX="unplug-fix"
 QEMU_PKGVERSION="umdev-$QEMU_FIX"
 QEMU_PREFIX="$CACHE/qemu-$QEMU_VERSION+$QEMU_FIX"
 GUEST_DIR="$CACHE/guest"
-# What the NVMe runs load: the stock driver, and ext4 (with crc32c) for the file system.
-GUEST_NVME_MODULES="nvme ext4 crc32c_generic"
+# Modules beyond the first runs' (uio_pci_generic, VFIO): what the NVMe runs load (the stock
+# driver, and ext4 with crc32c for the file system) and what the virtio-gpu run loads
+# (virtio_pci and virtio_gpu, with their drm dependencies). A guest directory unpacked
+# before one of them was listed gets it added (add_guest_modules).
+GUEST_EXTRA_MODULES="nvme ext4 crc32c_generic virtio_pci virtio_gpu"
 
 say() { printf 'qemu.sh: %s\n' "$*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -238,8 +241,8 @@ find_qemu() {
 # with dpkg -x (nothing installed on the host).
 find_guest() {
     if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -d "$GUEST_DIR/modules" ]; then
-        # A guest unpacked before the NVMe runs existed: add their modules.
-        add_guest_modules $GUEST_NVME_MODULES
+        # A guest unpacked before a module was listed: add it.
+        add_guest_modules $GUEST_EXTRA_MODULES
         printf '%s\n' "$GUEST_DIR"; return
     fi
     mkdir -p "$CACHE"
@@ -283,7 +286,7 @@ find_guest() {
         order+=("$name")
         cp "$f" "$GUEST_DIR/modules/$name.ko"
     }
-    for m in uio_pci_generic vfio_pci vfio_iommu_type1 $GUEST_NVME_MODULES; do add_module "$m"; done
+    for m in uio_pci_generic vfio_pci vfio_iommu_type1 $GUEST_EXTRA_MODULES; do add_module "$m"; done
     printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order"
     printf '%s\n' "$kver" >"$GUEST_DIR/kernel-version"
     rm -rf "$work"

@@ -16,7 +16,7 @@ use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
     name = "umdev",
     version,
     about,
-    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev demo migrate                     move a drawing GPU and a ccw device between two servers\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
+    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev demo migrate                     move a drawing GPU and a ccw device between two servers\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev run virtio-gpu --socket /tmp/vgpu.sock --screenshot-on-exit screen.png\n                                         a virtio-gpu for the guest's own driver\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -33,6 +33,8 @@ pub enum DeviceKind {
     /// NVMe 1.4 controller with one namespace on a raw image file (Linux's stock `nvme`
     /// driver binds it).
     Nvme,
+    /// virtio-gpu (2D) that the guest's stock `virtio_gpu` driver binds.
+    VirtioGpu,
 }
 
 #[derive(Subcommand, Debug)]

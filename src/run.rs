@@ -8,9 +8,11 @@ use umdev::device::Device;
 use umdev::dma::{DmaConfig, DmaSpace, PinPolicy};
 use umdev::pci::PciAdapter;
 use umdev::server::{PollMode, Server, ServerConfig, TerminationSignals};
+use umdev::virtio::VirtioPci;
 use umdev_devices::ccw::{Ccw, CcwConfig};
 use umdev_devices::gpu::{Gpu, GpuConfig};
 use umdev_devices::nvme::{Nvme, NvmeConfig, MAX_IO_QUEUES};
+use umdev_devices::virtio_gpu::{VirtioGpu, VirtioGpuConfig, VirtioGpuHandle};
 
 use crate::{CliResult, DeviceKind};
 
@@ -45,7 +47,11 @@ qemu-system-x86_64 -machine q35 \\\n    \
 NVMe: `umdev run nvme --image disk.img --size 1G --socket /run/umdev/nvme.sock` serves one \
 namespace on disk.img (512-byte blocks); the guest's stock nvme driver binds it. Without a \
 shared memfd memory backend the controller still works, through DMA_READ/DMA_WRITE \
-messages (slower). Shadow doorbells are offered unless --no-shadow-doorbells."
+messages (slower). Shadow doorbells are offered unless --no-shadow-doorbells.\n\n\
+virtio-gpu: the guest's stock virtio_gpu driver binds it (no VGA beside it: add -vga none); \
+--width/--height set each scanout's mode (--scanouts of them), --gpu-memory-mib the host memory \
+its resources may take (ERR_OUT_OF_MEMORY beyond), --screenshot-on-exit writes scanout 0 (with \
+the cursor) as PNG when umdev stops."
 )]
 pub struct RunArgs {
     /// Device to serve.
@@ -107,6 +113,23 @@ pub struct RunArgs {
     /// from its I/O thread (protocol-docs/qemu.md); turn it on for a client without that bug.
     #[arg(long)]
     pub write_multiple: bool,
+    /// virtio-gpu: width of each scanout's display mode, in pixels.
+    #[arg(long, value_name = "PIXELS", default_value_t = 1280)]
+    pub width: u32,
+    /// virtio-gpu: height of each scanout's display mode, in pixels.
+    #[arg(long, value_name = "PIXELS", default_value_t = 800)]
+    pub height: u32,
+    /// virtio-gpu: number of scanouts (displays), 1..=16.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub scanouts: usize,
+    /// virtio-gpu: host memory the guest's resources may take together, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    pub gpu_memory_mib: u64,
+    /// virtio-gpu: when umdev stops (Ctrl-C, SIGTERM), write what scanout 0 shows, with
+    /// the cursor, to FILE as PNG (if the guest reset the device, as at power-off, what
+    /// it showed before).
+    #[arg(long, value_name = "FILE")]
+    pub screenshot_on_exit: Option<PathBuf>,
 }
 
 /// A byte count with an optional K/M/G/T suffix (powers of 1024).
@@ -145,13 +168,32 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
+/// A device built for the server, and the virtio-gpu's display handle if it is one.
+type Built = (Box<dyn Device>, Option<VirtioGpuHandle>);
+
 /// Build the example device `kind` wrapped for the server.
-pub fn build_device(
-    kind: DeviceKind,
-    args: &RunArgs,
-) -> Result<Box<dyn Device>, Box<dyn std::error::Error>> {
+pub fn build_device(kind: DeviceKind, args: &RunArgs) -> Result<Built, Box<dyn std::error::Error>> {
     Ok(match kind {
-        DeviceKind::Gpu => Box::new(PciAdapter::new(Gpu::new(GpuConfig::default())?)?),
+        DeviceKind::Gpu => (
+            Box::new(PciAdapter::new(Gpu::new(GpuConfig::default())?)?),
+            None,
+        ),
+        DeviceKind::VirtioGpu => {
+            let config = VirtioGpuConfig {
+                scanouts: vec![(args.width, args.height); args.scanouts],
+                memory_budget: args
+                    .gpu_memory_mib
+                    .checked_mul(1 << 20)
+                    .ok_or("--gpu-memory-mib too large")?,
+                ..VirtioGpuConfig::default()
+            };
+            let gpu = VirtioGpu::new(config)?;
+            let handle = gpu.handle();
+            (
+                Box::new(PciAdapter::new(VirtioPci::new(gpu)?)?),
+                Some(handle),
+            )
+        }
         DeviceKind::Ccw => {
             let blocks = args
                 .image_size_mib
@@ -162,7 +204,7 @@ pub fn build_device(
             } else {
                 CcwConfig::new(&args.image).with_capacity(blocks)
             };
-            Box::new(PciAdapter::new(Ccw::new(cfg)?)?)
+            (Box::new(PciAdapter::new(Ccw::new(cfg)?)?), None)
         }
         DeviceKind::Nvme => {
             if args.size.is_none() && !args.image.exists() {
@@ -177,7 +219,7 @@ pub fn build_device(
             cfg.max_io_queues = args.io_queues;
             cfg.shadow_doorbells = !args.no_shadow_doorbells;
             cfg.io_threads = usize::from(args.io_threads);
-            Box::new(PciAdapter::new(Nvme::new(cfg)?)?)
+            (Box::new(PciAdapter::new(Nvme::new(cfg)?)?), None)
         }
     })
 }
@@ -196,7 +238,10 @@ pub fn run(args: RunArgs) -> CliResult {
         dma.set_pin_recorder(Some(rec));
         tracing::info!("recording pin arrays to {}", path.display());
     }
-    let device = build_device(args.device, &args)?;
+    if args.screenshot_on_exit.is_some() && args.device != DeviceKind::VirtioGpu {
+        return Err("--screenshot-on-exit is for virtio-gpu".into());
+    }
+    let (device, display) = build_device(args.device, &args)?;
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
     config.allow_any_file_maps = args.allow_any_file_maps;
@@ -211,5 +256,21 @@ pub fn run(args: RunArgs) -> CliResult {
     );
     sigs.serve_until_signal(server, &dma)?;
     dma.set_pin_recorder(None);
+    if let (Some(path), Some(display)) = (&args.screenshot_on_exit, display) {
+        match display.last_frame(0) {
+            Some(image) => {
+                image
+                    .write_png(path)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                tracing::info!(
+                    "scanout 0 ({}x{}) written to {}",
+                    image.width,
+                    image.height,
+                    path.display()
+                );
+            }
+            None => tracing::warn!("scanout 0 never showed anything: no screenshot written"),
+        }
+    }
     Ok(())
 }

@@ -53,3 +53,4 @@ pub mod gpu;
 pub mod nvme;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod virtio_gpu;

@@ -58,6 +58,8 @@
 //! - `daemon` (the `daemon` feature, on by default): the daemon as a library: definitions, a
 //!   control socket, lifecycle, migration between daemons and systemd for any set of
 //!   parents, above `instance` (`umdev daemon` is it with the example parents).
+//! - [`virtio`]: the virtio 1.x PCI transport (modern) and split virtqueues, for devices that
+//!   stock guest drivers drive.
 //!
 //! With the `testing` feature, `testing` is the harness for testing a device: serve it on a
 //! temp-dir socket and drive it with an embedded VMM (see its module documentation).
@@ -80,3 +82,4 @@ pub mod protocol;
 pub mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod virtio;

@@ -55,6 +55,7 @@ impl PciDevice for Bare {
             msi_vectors: 0,
             msix: None,
             registers: Vec::new(),
+            vendor_capabilities: Vec::new(),
         }
     }
     fn bar_read(&mut self, _bar: usize, _offset: u64, data: &mut [u8]) {

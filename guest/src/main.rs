@@ -20,6 +20,7 @@ mod uio;
 mod unplug;
 mod vfio;
 mod viommu;
+mod virtio_gpu;
 
 use report::Report;
 
@@ -97,6 +98,11 @@ const SCENARIOS: &[Scenario] = &[
         "unplug-busy",
         "umdev remove of a GPU on pcie.0: refused, forced; the guest then reads all-ones",
         unplug::run_busy,
+    ),
+    (
+        "virtio-gpu",
+        "umdev's virtio-gpu under the stock virtio_gpu driver: bound, fb0, a pattern written",
+        virtio_gpu::run,
     ),
     (
         "gpu-viommu",

@@ -158,6 +158,19 @@ const PLANS: &[Plan] = &[
         builtin: &[],
     },
     Plan {
+        name: "virtio-gpu",
+        what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: fb0, a pattern \
+               the host screenshot must hold pixel for pixel",
+        ram: Ram::Memfd,
+        viommu: false,
+        allow_reboot: false,
+        servers: Servers::Processes(&[Kind::VirtioGpu]),
+        scenarios: &["virtio-gpu"],
+        host_checks: Some(virtio_gpu_checks),
+        needs_unplug_fix: false,
+        builtin: &[],
+    },
+    Plan {
         name: "unplug",
         what: "umdev daemon instances removed while the guest uses them (hot-unplug, busy, \
                force)",
@@ -221,6 +234,65 @@ fn booted_twice(log: &GuestLog, _servers: &[server::Outcome]) -> Vec<Check> {
     )]
 }
 
+/// The virtio-gpu run: the screenshot the server wrote at SIGTERM (its path is in its log)
+/// is the guest's pattern, every pixel of the 1280×800 scanout.
+fn virtio_gpu_checks(_log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check> {
+    let Some(s) = servers.iter().find(|s| s.kind == Kind::VirtioGpu) else {
+        return vec![];
+    };
+    let path = s.log.lines().find_map(|l| {
+        l.split_once(" written to ")
+            .map(|(_, p)| p.trim().to_string())
+    });
+    let result = path
+        .ok_or_else(|| "no 'written to' line in the server log".to_string())
+        .and_then(|p| screenshot_matches(Path::new(&p)));
+    let (ok, detail) = match result {
+        Ok(detail) => (true, detail),
+        Err(e) => (false, e),
+    };
+    vec![Check::new(
+        "virtio-gpu.screenshot_is_the_guest_pattern",
+        ok,
+        detail,
+    )]
+}
+
+/// Decode the PNG and compare it with `test_pattern`, pixel for pixel.
+fn screenshot_matches(path: &Path) -> Result<String, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut reader = png::Decoder::new(std::io::BufReader::new(file))
+        .read_info()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).map_err(|e| e.to_string())?;
+    if (info.width, info.height) != (1280, 800) || info.color_type != png::ColorType::Rgb {
+        return Err(format!(
+            "{}x{} {:?}",
+            info.width, info.height, info.color_type
+        ));
+    }
+    let mut wrong = 0u64;
+    let mut first = None;
+    for y in 0..info.height {
+        for x in 0..info.width {
+            let c = umdev_devices::virtio_gpu::test_pattern(x, y);
+            let want = [(c >> 16) as u8, (c >> 8) as u8, c as u8];
+            let at = ((y * info.width + x) * 3) as usize;
+            if buf[at..at + 3] != want {
+                wrong += 1;
+                first.get_or_insert((x, y, [buf[at], buf[at + 1], buf[at + 2]], want));
+            }
+        }
+    }
+    match first {
+        None => Ok(format!("{}: 1280x800, every pixel", path.display())),
+        Some((x, y, got, want)) => Err(format!(
+            "{wrong} pixels differ; first at {x},{y}: {got:02x?}, want {want:02x?}"
+        )),
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum AccelArg {
     /// KVM if it boots a kernel here, else TCG (the verdict is cached).
@@ -243,6 +315,8 @@ nvme-plain  the same on plain RAM (DMA_READ/DMA_WRITE)\n  \
 nvme-viommu the same behind intel-iommu\n  \
 nvme-reboot a guest reboot with NVMe writes in flight\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
+virtio-gpu  umdev's virtio-gpu under the stock virtio_gpu driver; the screenshot holds\n           \
+the pattern the guest wrote to /dev/fb0\n  \
 unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
 vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
 Exit status: 0 if every check passed (skipped runs included, unless --no-skip), 1 if one\n\

@@ -21,6 +21,8 @@ pub enum Kind {
     Hello,
     /// `umdev run nvme` with a fresh 64 MiB image.
     Nvme,
+    /// `umdev run virtio-gpu --screenshot-on-exit <dir>/virtio-gpu.png`.
+    VirtioGpu,
 }
 
 impl Kind {
@@ -31,6 +33,7 @@ impl Kind {
             Kind::Ccw => "ccw",
             Kind::Hello => "hello",
             Kind::Nvme => "nvme",
+            Kind::VirtioGpu => "virtio-gpu",
         }
     }
 }
@@ -43,6 +46,11 @@ pub fn ccw_image(dir: &Path) -> PathBuf {
 /// The NVMe server's image in a guest run's directory.
 pub fn nvme_image(dir: &Path) -> PathBuf {
     dir.join("nvme.img")
+}
+
+/// Where the virtio-gpu server writes its screenshot when it stops.
+pub fn screenshot(dir: &Path) -> PathBuf {
+    dir.join("virtio-gpu.png")
 }
 
 /// The binaries under test.
@@ -82,6 +90,12 @@ impl Server {
         let socket = dir.join(format!("{}.sock", kind.name()));
         let log = dir.join(format!("{}.log", kind.name()));
         let mut cmd = match kind {
+            Kind::VirtioGpu => {
+                let mut c = Command::new(&bins.umdev);
+                c.args(["run", "virtio-gpu", "--socket"]).arg(&socket);
+                c.arg("--screenshot-on-exit").arg(screenshot(dir));
+                c
+            }
             Kind::Gpu | Kind::Ccw => {
                 let mut c = Command::new(&bins.umdev);
                 c.arg("run").arg(kind.name()).arg("--socket").arg(&socket);

@@ -303,6 +303,7 @@ impl PciDevice for Ccw {
             msi_vectors: 1,
             msix: None,
             registers: Vec::new(),
+            vendor_capabilities: Vec::new(),
         }
     }
 

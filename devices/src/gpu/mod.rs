@@ -293,6 +293,7 @@ impl PciDevice for Gpu {
                     size: u64::from(GTT_ENTRIES) * 8,
                 },
             ],
+            vendor_capabilities: Vec::new(),
         }
     }
 

@@ -374,6 +374,7 @@ impl PciDevice for Nvme {
                 offset: 0,
                 size: regs::DOORBELLS + u64::from(vectors) * 8,
             }],
+            vendor_capabilities: Vec::new(),
         }
     }
 

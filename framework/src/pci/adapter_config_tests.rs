@@ -385,3 +385,49 @@ fn test_adapter_is_send_for_the_server_thread() {
     let boxed: Box<dyn Device> = Box::new(adapter(full_config()));
     assert_eq!(boxed.info().regions.len(), 9);
 }
+
+#[test]
+fn test_vendor_capabilities_chain_after_msix_read_only_and_aligned() {
+    let mut config = full_config();
+    config.vendor_capabilities = vec![vec![5, 0xaa, 0xbb], vec![4, 0xcc]];
+    let mut a = adapter(config);
+    // Walk the chain: MSI (0x05), MSI-X (0x11), then the two vendor capabilities.
+    let mut ptr = cfg_read(&mut a, 0x34, 1);
+    let mut seen = Vec::new();
+    while ptr != 0 {
+        seen.push((ptr, cfg_read(&mut a, ptr, 1)));
+        ptr = cfg_read(&mut a, ptr + 1, 1);
+    }
+    let ids: Vec<u64> = seen.iter().map(|s| s.1).collect();
+    assert_eq!(ids, vec![0x05, 0x11, 0x09, 0x09]);
+    let (v0, v1) = (seen[2].0, seen[3].0);
+    assert_eq!(v0 % 4, 0, "aligned");
+    assert_eq!(v1 % 4, 0, "aligned");
+    assert_eq!(cfg_read(&mut a, v0 + 2, 2), 0xaa05);
+    assert_eq!(cfg_read(&mut a, v0 + 4, 1), 0xbb);
+    assert_eq!(cfg_read(&mut a, v1 + 2, 2), 0xcc04);
+    cfg_write(&mut a, v0 + 3, 1, 0x11);
+    assert_eq!(cfg_read(&mut a, v0 + 3, 1), 0xaa, "read-only");
+}
+
+#[test]
+fn test_vendor_capabilities_with_bad_length_or_too_large_are_refused() {
+    let mut wrong_len = full_config();
+    wrong_len.vendor_capabilities = vec![vec![9, 1, 2]];
+    let Err(err) = PciAdapter::new(TestDevice {
+        config: wrong_len,
+        ..Default::default()
+    }) else {
+        panic!("a wrong length byte is accepted");
+    };
+    assert!(err.to_string().contains("length byte"), "{err}");
+    let mut too_big = full_config();
+    too_big.vendor_capabilities = vec![[vec![200u8], vec![0; 197]].concat()];
+    let Err(err) = PciAdapter::new(TestDevice {
+        config: too_big,
+        ..Default::default()
+    }) else {
+        panic!("capabilities past 0x100 are accepted");
+    };
+    assert!(err.to_string().contains("config space"), "{err}");
+}

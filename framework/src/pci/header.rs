@@ -15,13 +15,35 @@
 //! | 0x3c | interrupt line | yes |
 //! | 0x3d | interrupt pin (1 = INTA if INTx) | no |
 //!
-//! Capabilities: MSI at 0x40 (if any MSI vectors), then MSI-X (if any).
+//! Capabilities: MSI at 0x40 (if any MSI vectors), then MSI-X (if any), then the
+//! vendor-specific capabilities in their order, each at a 4-byte aligned offset.
 
 use super::bar;
 use super::config_space::{command, reg, status, ConfigSpace};
 use super::msi::{self, MsiCap};
 use super::msix::{self, MsixCap};
 use super::PciConfig;
+
+/// Capability ID of a vendor-specific capability.
+pub(crate) const VENDOR_CAP_ID: u8 = 0x09;
+/// Bytes of a vendor capability the framework writes: ID and next pointer.
+pub(crate) const VENDOR_HEADER: usize = 2;
+
+/// Config-space bytes the capabilities of `config` take, from 0x40 on, with the padding
+/// that keeps each vendor capability 4-byte aligned.
+pub(crate) fn capabilities_end(config: &PciConfig) -> usize {
+    let mut next = reg::HEADER_END;
+    if config.msi_vectors > 0 {
+        next += msi::CAP_SIZE;
+    }
+    if config.msix.is_some() {
+        next += msix::CAP_SIZE;
+    }
+    for body in &config.vendor_capabilities {
+        next = next.next_multiple_of(4) + VENDOR_HEADER + body.len();
+    }
+    next
+}
 
 /// Where the capabilities were placed.
 #[derive(Clone, Copy, Debug, Default)]
@@ -68,21 +90,44 @@ pub(crate) fn build(config: &PciConfig) -> (ConfigSpace, CapLayout) {
     }
     if let Some(spec) = config.msix {
         layout.msix = Some(MsixCap { offset: next, spec });
+        next += msix::CAP_SIZE;
     }
-    // Chain: header → MSI → MSI-X → 0. Offsets are below 0x100, so they fit a byte.
-    let msix_ptr = layout.msix.map_or(0, |c| c.offset as u8);
+    // Vendor capabilities after MSI-X, 4-byte aligned (validated to fit).
+    let mut vendor = Vec::with_capacity(config.vendor_capabilities.len());
+    for body in &config.vendor_capabilities {
+        next = next.next_multiple_of(4);
+        vendor.push(next);
+        next += VENDOR_HEADER + body.len();
+    }
+    debug_assert!(next <= super::config_space::CONFIG_SIZE);
+    // Chain: header → MSI → MSI-X → vendor… → 0. Offsets are below 0x100: they fit a byte.
+    let mut offsets: Vec<u8> = Vec::new();
+    offsets.extend(layout.msi.map(|c| c.offset as u8));
+    offsets.extend(layout.msix.map(|c| c.offset as u8));
+    offsets.extend(vendor.iter().map(|&o| o as u8));
+    let next_of = |i: usize| offsets.get(i + 1).copied().unwrap_or(0);
+    let mut i = 0;
     if let Some(cap) = layout.msi {
-        cap.install(&mut cs, msix_ptr);
+        cap.install(&mut cs, next_of(i));
+        i += 1;
     }
     if let Some(cap) = layout.msix {
-        cap.install(&mut cs, 0);
+        cap.install(&mut cs, next_of(i));
+        i += 1;
     }
-    let first = layout.msi.map_or(msix_ptr, |c| c.offset as u8);
+    for (body, &offset) in config.vendor_capabilities.iter().zip(&vendor) {
+        cs.init_u8(offset, VENDOR_CAP_ID, 0);
+        cs.init_u8(offset + 1, next_of(i), 0);
+        for (k, b) in body.iter().enumerate() {
+            cs.init_u8(offset + VENDOR_HEADER + k, *b, 0);
+        }
+        i += 1;
+    }
+    let first = offsets.first().copied().unwrap_or(0);
     cs.init_u8(reg::CAPABILITIES, first, 0);
     if first != 0 {
         cs.init_u16(reg::STATUS, status::CAP_LIST, 0);
     }
-    debug_assert!(next + msix::CAP_SIZE <= super::config_space::CONFIG_SIZE);
     cs.seal_defaults();
     (cs, layout)
 }

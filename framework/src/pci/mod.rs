@@ -204,6 +204,13 @@ pub struct PciConfig {
     /// Where the device has registers (optional; validated: inside a declared trapped BAR,
     /// and not under the MSI-X table or PBA).
     pub registers: Vec<RegisterRange>,
+    /// Vendor-specific capabilities (ID 0x09), chained after MSI and MSI-X in this order.
+    /// Each entry is the capability from its third byte on (the framework writes the ID and
+    /// the next pointer); its first byte is therefore `cap_len`, the length of the whole
+    /// capability, which must equal `2 + entry.len()`. Read-only to the guest. Validated:
+    /// the length byte is right, and everything fits the 256-byte config space. The virtio
+    /// transport ([`crate::virtio`]) places its structures with these.
+    pub vendor_capabilities: Vec<Vec<u8>>,
 }
 
 /// What a PCI device implements: its BARs and lifecycle. Config space is the framework's.

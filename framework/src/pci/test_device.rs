@@ -98,6 +98,7 @@ pub(crate) fn full_config() -> PciConfig {
             pba_offset: 0x3000,
         }),
         registers: Vec::new(),
+        vendor_capabilities: Vec::new(),
     }
 }
 

@@ -137,7 +137,27 @@ pub(crate) fn validate(config: &PciConfig) -> Result<(), DeviceError> {
             return Err(bad("MSI-X table and PBA overlap".into()));
         }
     }
+    check_vendor_capabilities(config)?;
     check_registers(config)
+}
+
+/// Vendor capabilities: each has its length byte right and all fit config space.
+fn check_vendor_capabilities(config: &PciConfig) -> Result<(), DeviceError> {
+    for (i, body) in config.vendor_capabilities.iter().enumerate() {
+        let whole = body.len() + super::header::VENDOR_HEADER;
+        if body.is_empty() || usize::from(body[0]) != whole {
+            return Err(bad(format!(
+                "vendor capability {i}: its length byte must be {whole} (the whole capability)"
+            )));
+        }
+    }
+    let end = super::header::capabilities_end(config);
+    if end > super::config_space::CONFIG_SIZE {
+        return Err(bad(format!(
+            "capabilities need {end:#x} bytes of config space, more than 0x100"
+        )));
+    }
+    Ok(())
 }
 
 /// Declared register ranges lie inside declared trapped BARs and under no MSI-X range.

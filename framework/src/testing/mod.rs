@@ -14,7 +14,7 @@
 //! impl PciDevice for Adder {
 //!     fn config(&self) -> PciConfig {
 //!         let bar = BarSpec { index: 0, size: 4096, kind: BarKind::Mmio32, prefetchable: false, shared: None };
-//!         PciConfig { ids: PciIds::default(), bars: vec![bar], intx: true, msi_vectors: 0, msix: None, registers: vec![] }
+//!         PciConfig { ids: PciIds::default(), bars: vec![bar], intx: true, msi_vectors: 0, msix: None, registers: vec![], vendor_capabilities: vec![] }
 //!     }
 //!     fn attach(&mut self, dma: DmaHandle, _irq: Interrupts) {
 //!         self.0 = Some(dma);
@@ -85,6 +85,7 @@ mod raw_client;
 mod rng;
 mod server;
 mod trivial;
+mod virtio_driver;
 mod vmm;
 mod vmm_migration;
 
@@ -105,6 +106,10 @@ pub use raw_client::{Msg, RawClient, DEFAULT_CAPS, READ_TIMEOUT};
 pub use rng::Rng;
 pub use server::{SharedDevice, TestServer, TestServerBuilder, TEST_REMOTE_DMA_TIMEOUT};
 pub use trivial::{TrivialDevice, TRIVIAL_BAR0_SIZE, TRIVIAL_CONFIG_SIZE};
+pub use virtio_driver::{
+    queue_bytes, Buf, DriverQueue, VirtioDriver, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT,
+    VIRTQ_DESC_F_WRITE,
+};
 pub use vmm::{wait_eventfd, DmaServer, MappedRegion, RegionInfo, Vmm, CONNECT_RETRY, POLL};
 pub use vmm_migration::MIGRATION_CAPS;
 /// The interrupt eventfds the harness hands out ([`DeviceAccess::enable_msi`] and the like)

@@ -83,6 +83,7 @@ impl PciDevice for Probe {
             msi_vectors: 1,
             msix: None,
             registers: Vec::new(),
+            vendor_capabilities: Vec::new(),
         }
     }
 

@@ -355,6 +355,7 @@ impl PciDevice for Counter {
                 pba_offset: 0xc00,
             }),
             registers: Vec::new(),
+            vendor_capabilities: Vec::new(),
         }
     }
 

@@ -329,6 +329,7 @@ mod tests {
                     pba_offset: 0x1800,
                 }),
                 registers: Vec::new(),
+                vendor_capabilities: Vec::new(),
             }
         }
         fn bar_read(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
