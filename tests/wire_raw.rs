@@ -88,6 +88,29 @@ fn test_raw_posted_write_gets_no_reply_and_is_ordered_before_read() {
 }
 
 #[test]
+fn test_raw_every_poll_mode_serves_in_order_after_idle_gaps() {
+    use umdev::server::PollMode;
+    for mode in [
+        PollMode::Off,
+        PollMode::Auto,
+        PollMode::Fixed(Duration::from_micros(200)),
+    ] {
+        let ts = TestServer::start_with(|c| c.poll = mode);
+        let mut c = RawClient::new_default(ts.path());
+        for round in 0..4u8 {
+            // Back to back (caught while spinning), then a gap longer than any budget
+            // (the thread blocks and must still wake for the next message).
+            for i in 0..8u8 {
+                c.region_write(0, 0x80 + i as u64, &[round + i], FLAGS_NO_REPLY);
+            }
+            let want: Vec<u8> = (0..8).map(|i| round + i).collect();
+            assert_eq!(c.region_read(0, 0x80, 8), want, "{mode}, round {round}");
+            std::thread::sleep(Duration::from_millis(if round % 2 == 0 { 20 } else { 0 }));
+        }
+    }
+}
+
+#[test]
 fn test_raw_posted_write_error_sends_nothing() {
     let ts = TestServer::start();
     let mut c = RawClient::new_default(ts.path());

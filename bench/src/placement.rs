@@ -72,7 +72,7 @@ pub struct PlacementReport {
 }
 
 /// CPUs the calling thread may run on.
-fn allowed_cpus() -> std::io::Result<Vec<usize>> {
+pub(crate) fn allowed_cpus() -> std::io::Result<Vec<usize>> {
     // SAFETY: an all-zero cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a live cpu_set_t of the size passed; pid 0 is the calling thread.
@@ -87,7 +87,7 @@ fn allowed_cpus() -> std::io::Result<Vec<usize>> {
 }
 
 /// Restrict the calling thread to `cpus`.
-fn pin_to(cpus: &[usize]) -> std::io::Result<()> {
+pub(crate) fn pin_to(cpus: &[usize]) -> std::io::Result<()> {
     // SAFETY: an all-zero cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus {

@@ -2,7 +2,9 @@
 //! server side by side with the `vfio_user` crate's own `Server`, both serving the same
 //! [`vfio_user_trivial`](super::vfio_user_trivial) in this process, both driven by the
 //! `vfio_user::Client` (and, for posted writes, which that client cannot send, by umdev's
-//! embedded [`Vmm`]). The two sides are sampled interleaved.
+//! embedded [`Vmm`]). The two sides are sampled interleaved, on one CPU; the
+//! [`placement`](super::placement) table before them has same core and cross core and the
+//! poll modes.
 //!
 //! Rows: REGION_READ 4 B, REGION_WRITE 4 B, posted REGION_WRITE 4 B (no-reply flag, in
 //! batches of 64 fenced by one REGION_READ; ns per write), DMA_MAP+DMA_UNMAP of a sparse
@@ -167,8 +169,37 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
         println!("{:.1} s", started.elapsed().as_secs_f64());
         return Ok(());
     }
-    let umdev_path = dir.path().join("umdev.sock");
-    let vfio_path = dir.path().join("vfio-user.sock");
+    // The side-by-side rows run on one CPU (servers and clients inherit the mask): left to
+    // the scheduler, each server's thread lands on the client's CPU or on the other one,
+    // and a round trip takes ~5 or ~50 µs accordingly (the placement table above shows
+    // both), which would make the ratios a coin toss.
+    let original = super::placement::allowed_cpus()?;
+    if let Some(&first) = original.first() {
+        super::placement::pin_to(&[first])?;
+    }
+    let result = pairs(
+        &args,
+        plan,
+        dir.path(),
+        started,
+        placement.as_ref(),
+        &original,
+    );
+    super::placement::pin_to(&original)?;
+    result
+}
+
+/// The side-by-side rows, then the report.
+fn pairs(
+    args: &WireArgs,
+    plan: super::sampler::SamplePlan,
+    dir: &Path,
+    started: Instant,
+    placement: Option<&PlacementReport>,
+    original_cpus: &[usize],
+) -> Result<(), BenchError> {
+    let umdev_path = dir.join("umdev.sock");
+    let vfio_path = dir.join("vfio-user.sock");
     let umdev_side = spawn_umdev(&umdev_path)?;
     let vfio_thread = spawn_vfio_user(&vfio_path, 2)?;
     let mut progress = Progress::for_run(args.run.out.quiet, 3 + args.map_sizes.len());
@@ -266,8 +297,9 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
     progress.finish();
     stop_umdev(umdev_side);
     let _ = vfio_thread.join();
-    drop(dir);
 
+    // Measured: the machine description reads the CPUs this thread may use.
+    super::placement::pin_to(original_cpus)?;
     let report = PairReport::new(
         "wire",
         plan,
@@ -277,17 +309,20 @@ pub fn run(args: WireArgs) -> Result<(), BenchError> {
              process; clients are vfio_user::Client, posted writes use umdev's embedded VMM"
                 .into(),
             "ratio = umdev / vfio_user::Server time (< 1: umdev is faster)".into(),
+            "these rows run on one CPU (servers and clients alike); the placement table \
+             has same core and cross core"
+                .into(),
         ],
         started,
     );
     let mut table = pair_table(&report, false);
-    if let Some(p) = &placement {
+    if let Some(p) = placement {
         table.push('\n');
         table.push_str(&super::placement::table(p));
     }
     let wire = WireReport {
         pairs: &report,
-        placement: placement.as_ref(),
+        placement,
     };
     print_report("wire", &args.run.out, &report.machine, &table, &wire)?;
     println!("{:.1} s", report.elapsed_s);
