@@ -72,10 +72,10 @@ fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
     assert!(!text.contains('\x1b'), "colour codes on a pipe: {text:?}");
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[0].starts_with("PARENT") && lines[0].contains("AVAILABLE"));
-    // Four types, every line's columns where the header's are.
+    // Six types, every line's columns where the header's are.
     let header = column_starts(lines[0]);
     assert_eq!(header.len(), 5, "{text}");
-    for line in &lines[1..5] {
+    for line in &lines[1..7] {
         assert_eq!(column_starts(line)[..4], header[..4], "{text}");
     }
     let gpu4 = lines.iter().find(|l| l.contains("gpu-4m")).unwrap();
@@ -100,7 +100,14 @@ fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
         .collect();
     assert_eq!(
         names,
-        ["gpu/gpu-4m", "gpu/gpu-16m", "ccw/ccw-16m", "ccw/ccw-64m"]
+        [
+            "gpu/gpu-4m",
+            "gpu/gpu-16m",
+            "ccw/ccw-16m",
+            "ccw/ccw-64m",
+            "nvme/nvme-256m",
+            "nvme/nvme-1g"
+        ]
     );
     assert_eq!(available(&d, "gpu", "gpu-16m"), 2);
     assert_eq!(available(&d, "ccw", "ccw-64m"), 2);
@@ -186,6 +193,39 @@ fn test_daemon_create_list_remove_instance_serves_and_gives_share_back() {
         .is_empty());
     let e = d.fail(&["stop", &ccw]);
     assert!(e.contains("is not running"), "{e}");
+}
+
+#[test]
+fn test_daemon_nvme_types_follow_flags_create_serves_controller() {
+    let d = Daemon::start(&[
+        "--nvme-type",
+        "nvme-8m:8:2",
+        "--nvme-type",
+        "nvme-4m:4:1",
+        "--nvme-budget-mib",
+        "12",
+    ]);
+    let text = d.ok(&["types"]);
+    let row = text.lines().find(|l| l.contains("nvme-8m")).unwrap();
+    assert!(row.contains("NVMe controller"), "{text}");
+    assert_eq!(available(&d, "nvme", "nvme-8m"), 1);
+    assert_eq!(available(&d, "nvme", "nvme-4m"), 3);
+
+    let (uuid, socket) = create(&d, &["--type", "nvme-8m"]);
+    assert_eq!(available(&d, "nvme", "nvme-4m"), 1);
+    let mut vmm = Vmm::connect(&socket).unwrap();
+    assert_eq!(vmm.read32(7, 0x08).unwrap() >> 8, 0x01_08_02, "NVMe class");
+    let cap = vmm.read64(0, 0x00).unwrap();
+    assert_eq!((cap >> 37) & 1, 1, "CAP.CSS: NVM");
+    assert_eq!(vmm.read32(0, 0x08).unwrap(), 0x0001_0400, "VS 1.4");
+    drop(vmm);
+    let image = d.state().join("nvme-images").join(format!("{uuid}.img"));
+    assert_eq!(fs::metadata(&image).unwrap().len(), 8 << 20);
+    let e = d.fail(&["create", "--type", "nvme-8m"]);
+    assert!(e.contains("storage"), "{e}");
+    d.ok(&["remove", &uuid]);
+    assert_eq!(available(&d, "nvme", "nvme-8m"), 1);
+    assert!(image.exists(), "removing keeps the image");
 }
 
 #[test]

@@ -2,10 +2,10 @@
 //! `define`, `undefine`, `start`, `stop`, `remove`, and `migrate` between two daemons:
 //! [`migrate`]): the command line around the daemon library [`umdev::daemon`].
 //!
-//! `umdev daemon` is that library with two parents of `umdev-devices`: the GPU parent (a
-//! framebuffer pool and one render engine shared by its instances) and the ccw parent (an
+//! `umdev daemon` is that library with parents of `umdev-devices`: the GPU parent (a
+//! framebuffer pool and one render engine shared by its instances), the ccw parent (an
 //! image directory, `<state-dir>/ccw-images/`, which it keeps private like the rest of the
-//! state). Everything else (directories, definitions, the control socket, lifecycle,
+//! state) and the nvme parent (NVMe controllers on `<state-dir>/nvme-images/`). Everything else (directories, definitions, the control socket, lifecycle,
 //! autostart, migration, systemd) is the library's; here are its flags ([`DaemonArgs`]),
 //! the ccw parent's migration check, and the client commands' rendering ([`client`],
 //! [`render`], [`table`]). The client commands read what the daemon reports (its parents
@@ -28,6 +28,8 @@ use umdev_devices::ccw::parent::{CcwParentError, PARAM_IMAGE};
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;
 use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType};
+use umdev_devices::nvme::parent::NvmeParentError;
+use umdev_devices::nvme::{NvmeParent, NvmeParentConfig, NvmeType};
 
 use crate::CliResult;
 
@@ -35,6 +37,7 @@ use crate::CliResult;
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
 Files: <state-dir>/definitions/<uuid>.json (one per defined instance), <state-dir>/ccw-images/,
+<state-dir>/nvme-images/,
 <socket-dir>/control.sock (mode 0600) and <socket-dir>/<uuid>.sock (one per running instance).
 Defaults: state /var/lib/umdev and sockets /run/umdev for root; otherwise
 $XDG_STATE_HOME/umdev (~/.local/state/umdev) and $XDG_RUNTIME_DIR/umdev (/tmp/umdev-<uid>).
@@ -52,7 +55,7 @@ Under systemd: systemd/umdev.service and umdev.socket (socket activation, sd_not
 Each instance is one QEMU 10.1+ device:
   -device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"<socket-dir>/<uuid>.sock\"}}'")]
 pub struct DaemonArgs {
-    /// Directory of the definitions and the ccw images [default: see below].
+    /// Directory of the definitions and the ccw and nvme images [default: see below].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
     /// Directory of the instance sockets and the control socket [default: see below].
@@ -81,6 +84,13 @@ pub struct DaemonArgs {
     /// ccw-64m:64].
     #[arg(long = "ccw-type", value_name = "NAME:MIB", value_parser = parse_ccw_type)]
     pub ccw_types: Vec<CcwType>,
+    /// The nvme parent's storage budget for the images of running instances, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    pub nvme_budget_mib: u64,
+    /// An nvme type: namespace capacity, MiB, and I/O queue pairs. Repeat for several
+    /// [default: nvme-256m:256:2 and nvme-1g:1024:4].
+    #[arg(long = "nvme-type", value_name = "NAME:MIB:QUEUES", value_parser = parse_nvme_type)]
+    pub nvme_types: Vec<NvmeType>,
     /// Most instances at once, over all parents.
     #[arg(long, value_name = "N", default_value_t = 1024)]
     pub max_instances: usize,
@@ -134,6 +144,19 @@ fn parse_ccw_type(s: &str) -> Result<CcwType, String> {
     Ok(CcwType::new(name, parse_mib(mib)?))
 }
 
+fn parse_nvme_type(s: &str) -> Result<NvmeType, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [name, mib, queues] = parts.as_slice() else {
+        return Err(format!(
+            "{s:?}: an nvme type is NAME:MIB:QUEUES (e.g. nvme-1g:1024:4)"
+        ));
+    };
+    let queues = queues
+        .parse::<u16>()
+        .map_err(|e| format!("{s:?}: I/O queue pairs {queues:?}: {e}"))?;
+    Ok(NvmeType::new(name, parse_mib(mib)?, queues))
+}
+
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
@@ -159,6 +182,8 @@ enum ParentError {
     Gpu(#[source] GpuParentError),
     #[error("the ccw parent's configuration")]
     Ccw(#[source] CcwParentError),
+    #[error("the nvme parent's configuration")]
+    Nvme(#[source] NvmeParentError),
 }
 
 /// The GPU parent of `args`.
@@ -187,6 +212,19 @@ fn ccw_parent(args: &DaemonArgs, dirs: &DaemonDirs) -> Result<Arc<dyn Parent>, B
         config.types = args.ccw_types.clone();
     }
     Ok(Arc::new(CcwParent::new(config).map_err(ParentError::Ccw)?))
+}
+
+/// The nvme parent of `args`, its images in `<state-dir>/nvme-images/`.
+fn nvme_parent(args: &DaemonArgs, dirs: &DaemonDirs) -> Result<Arc<dyn Parent>, BoxError> {
+    let images = paths::ensure_private_dir(&dirs.state_dir.join("nvme-images"))?;
+    let mut config = NvmeParentConfig::new(images);
+    config.budget_mib = args.nvme_budget_mib;
+    if !args.nvme_types.is_empty() {
+        config.types = args.nvme_types.clone();
+    }
+    Ok(Arc::new(
+        NvmeParent::new(config).map_err(ParentError::Nvme)?,
+    ))
 }
 
 /// A ccw instance migrates only if it names its image: its default image is `<uuid>.img`
@@ -234,10 +272,11 @@ pub fn run(args: DaemonArgs) -> CliResult {
     // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.
     let builder = unsafe { builder.socket_activation() }?;
     let args = Arc::new(args);
-    let (gpu_args, ccw_args) = (args.clone(), args);
+    let (gpu_args, ccw_args, nvme_args) = (args.clone(), args.clone(), args);
     builder
         .parent_with(move |_| gpu_parent(&gpu_args))
         .parent_with(move |dirs| ccw_parent(&ccw_args, dirs))
+        .parent_with(move |dirs| nvme_parent(&nvme_args, dirs))
         .migration_check(ccw_migration_check)
         .run()?;
     Ok(())
@@ -256,6 +295,14 @@ mod tests {
         let c = parse_ccw_type("ccw-32m:32").unwrap();
         assert_eq!((c.name.as_str(), c.capacity_mib), ("ccw-32m", 32));
         assert!(parse_ccw_type("ccw").is_err());
+        let n = parse_nvme_type("nvme-1g:1024:4").unwrap();
+        assert_eq!(
+            (n.name.as_str(), n.capacity_mib, n.io_queues),
+            ("nvme-1g", 1024, 4)
+        );
+        assert!(parse_nvme_type("nvme-1g:1024").is_err());
+        assert!(parse_nvme_type("nvme-1g:1024:x").is_err());
+        assert!(parse_nvme_type("nvme-1g:1024:70000").is_err());
         assert_eq!(parse_seconds("0.5").unwrap(), Duration::from_millis(500));
         assert!(parse_seconds("-1").is_err());
         assert!(parse_seconds("NaN").is_err());

@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
 use umdev::device::Device;
@@ -188,8 +188,9 @@ impl std::fmt::Debug for CcwParent {
     }
 }
 
-/// Check an image file name (see the module doc).
-fn check_image_name(name: &str) -> Result<(), String> {
+/// Check an image file name (see the module doc; the NVMe parent's images follow the same
+/// rules).
+pub(crate) fn check_image_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("empty image name".into());
     }
@@ -209,7 +210,60 @@ fn check_image_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn bad_param(name: &str, why: impl Into<String>) -> InstanceError {
+/// Open image `name` (checked by [`check_image_name`]) in `dir` for an instance: an
+/// existing regular file (or a new one when `create`), never through a symbolic link.
+pub(crate) fn open_image_in(dir: &Path, name: &str, create: bool) -> Result<File, InstanceError> {
+    let path = dir.join(name);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(create)
+        .truncate(false)
+        // No link is followed; opening a special file does not block (it is refused
+        // below); O_NONBLOCK changes nothing for a regular file's pread/pwrite.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&path);
+    let file = match file {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            return Err(bad_param(
+                PARAM_IMAGE,
+                format!("no image {name:?} in {}", dir.display()),
+            ))
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(bad_param(
+                PARAM_IMAGE,
+                format!("image {name:?} is a symbolic link"),
+            ))
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EISDIR | libc::ENXIO)) => {
+            return Err(bad_param(
+                PARAM_IMAGE,
+                format!("image {name:?} is not a regular file"),
+            ))
+        }
+        Err(source) => {
+            return Err(InstanceError::Io {
+                what: format!("opening image {}", path.display()),
+                source,
+            })
+        }
+    };
+    let meta = file.metadata().map_err(|source| InstanceError::Io {
+        what: format!("reading image {}", path.display()),
+        source,
+    })?;
+    if !meta.is_file() {
+        return Err(bad_param(
+            PARAM_IMAGE,
+            format!("image {name:?} is not a regular file"),
+        ));
+    }
+    Ok(file)
+}
+
+pub(crate) fn bad_param(name: &str, why: impl Into<String>) -> InstanceError {
     InstanceError::BadParam {
         name: name.to_owned(),
         why: why.into(),
@@ -300,57 +354,9 @@ impl CcwParent {
             .ok_or_else(|| InstanceError::UnknownType(name.to_owned()))
     }
 
-    /// Open image `name` for an instance: an existing regular file (or a new one when
-    /// `create`), never through a symbolic link.
+    /// Open image `name` for an instance (see [`open_image_in`]).
     fn open_image(&self, name: &str, create: bool) -> Result<File, InstanceError> {
-        let path = self.image_path(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(create)
-            .truncate(false)
-            // No link is followed; opening a special file does not block (it is refused
-            // below); O_NONBLOCK changes nothing for a regular file's pread/pwrite.
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&path);
-        let file = match file {
-            Ok(f) => f,
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                return Err(bad_param(
-                    PARAM_IMAGE,
-                    format!("no image {name:?} in {}", self.inner.config.dir.display()),
-                ))
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-                return Err(bad_param(
-                    PARAM_IMAGE,
-                    format!("image {name:?} is a symbolic link"),
-                ))
-            }
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EISDIR | libc::ENXIO)) => {
-                return Err(bad_param(
-                    PARAM_IMAGE,
-                    format!("image {name:?} is not a regular file"),
-                ))
-            }
-            Err(source) => {
-                return Err(InstanceError::Io {
-                    what: format!("opening image {}", path.display()),
-                    source,
-                })
-            }
-        };
-        let meta = file.metadata().map_err(|source| InstanceError::Io {
-            what: format!("reading image {}", path.display()),
-            source,
-        })?;
-        if !meta.is_file() {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("image {name:?} is not a regular file"),
-            ));
-        }
-        Ok(file)
+        open_image_in(&self.inner.config.dir, name, create)
     }
 
     /// The storage budget, the one resource this parent shares.

@@ -31,6 +31,7 @@ pub mod dbbuf;
 pub mod identify;
 pub mod io;
 pub mod namespace;
+pub mod parent;
 pub mod pool;
 pub mod prp;
 pub mod queues;
@@ -50,6 +51,7 @@ use umdev::irq::Interrupts;
 use umdev::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, RegisterRange};
 
 pub use namespace::ImageError;
+pub use parent::{NvmeParent, NvmeParentConfig, NvmeType};
 
 use ctl::Ctl;
 use ctrl::{Limits, Shared};
@@ -130,14 +132,29 @@ pub struct Nvme {
     blocks: u64,
     io_threads: usize,
     pool_threads: Vec<JoinHandle<()>>,
+    /// What the parent lent (the image and its share of the budget); the last field, so
+    /// it is given back after everything else is dropped.
+    lease: Option<parent::ImageLease>,
 }
 
 impl Nvme {
     /// Open the image and build the controller (its threads start at attach).
     pub fn new(config: NvmeConfig) -> Result<Nvme, ImageError> {
         let ns = Namespace::open(&config.image, config.size)?;
+        Ok(Nvme::with_namespace(config, ns))
+    }
+
+    /// Build the controller on `file`, the image `config.image` already opened for reading
+    /// and writing (how a parent serves an image it has checked; `config.size` as for
+    /// [`Nvme::new`], but nothing is created).
+    pub fn from_file(config: NvmeConfig, file: std::fs::File) -> Result<Nvme, ImageError> {
+        let ns = Namespace::from_file(file, &config.image, config.size)?;
+        Ok(Nvme::with_namespace(config, ns))
+    }
+
+    fn with_namespace(config: NvmeConfig, ns: Namespace) -> Nvme {
         tracing::info!(image = %config.image.display(), blocks = ns.blocks(), "nvme: image opened");
-        Ok(Nvme {
+        Nvme {
             limits: Limits {
                 max_io_queues: config.max_io_queues.clamp(1, MAX_IO_QUEUES),
                 max_queue_entries: config.max_queue_entries.clamp(2, 65536),
@@ -156,7 +173,15 @@ impl Nvme {
             aqa: 0,
             asq: 0,
             acq: 0,
-        })
+            lease: None,
+        }
+    }
+
+    /// Hold `lease` until the controller is dropped (after its threads end and the image
+    /// is flushed).
+    pub(crate) fn with_lease(mut self, lease: parent::ImageLease) -> Nvme {
+        self.lease = Some(lease);
+        self
     }
 
     /// Namespace size in 512-byte blocks.

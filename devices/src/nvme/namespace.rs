@@ -75,6 +75,12 @@ impl Namespace {
                 path: path.to_owned(),
                 source,
             })?;
+        Namespace::from_file(file, path, size)
+    }
+
+    /// The namespace on `file`, already open for reading and writing (`path` only names
+    /// it in errors); `size` as for [`Namespace::open`].
+    pub fn from_file(file: File, path: &Path, size: Option<u64>) -> Result<Namespace, ImageError> {
         let size_err = |source| ImageError::Size {
             path: path.to_owned(),
             source,

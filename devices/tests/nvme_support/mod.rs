@@ -113,8 +113,20 @@ impl Guest {
 
     /// A guest on a controller tuned by `tune`, served with the DMA configuration `dma`.
     pub fn with_dma(tune: impl FnOnce(&mut NvmeConfig), fdless: bool, dma: DmaConfig) -> Guest {
-        umdev::testing::init_logs();
         let (dev, dir, image) = controller(tune);
+        Guest::serve(dev, dir, image, fdless, dma)
+    }
+
+    /// A guest on controller `dev` (on `image`; `dir` is kept until the guest is dropped),
+    /// served with the DMA configuration `dma`.
+    pub fn serve(
+        dev: Nvme,
+        dir: tempfile::TempDir,
+        image: PathBuf,
+        fdless: bool,
+        dma: DmaConfig,
+    ) -> Guest {
+        umdev::testing::init_logs();
         let server = TestServer::builder_pci(dev)
             .unwrap()
             .dma_config(dma)
