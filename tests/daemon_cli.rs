@@ -72,10 +72,10 @@ fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
     assert!(!text.contains('\x1b'), "colour codes on a pipe: {text:?}");
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[0].starts_with("PARENT") && lines[0].contains("AVAILABLE"));
-    // Four types, every line's columns where the header's are.
+    // Six types, every line's columns where the header's are.
     let header = column_starts(lines[0]);
     assert_eq!(header.len(), 5, "{text}");
-    for line in &lines[1..5] {
+    for line in &lines[1..7] {
         assert_eq!(column_starts(line)[..4], header[..4], "{text}");
     }
     let gpu4 = lines.iter().find(|l| l.contains("gpu-4m")).unwrap();
@@ -100,7 +100,14 @@ fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
         .collect();
     assert_eq!(
         names,
-        ["gpu/gpu-4m", "gpu/gpu-16m", "ccw/ccw-16m", "ccw/ccw-64m"]
+        [
+            "gpu/gpu-4m",
+            "gpu/gpu-16m",
+            "ccw/ccw-16m",
+            "ccw/ccw-64m",
+            "virtio-gpu/vgpu-720p",
+            "virtio-gpu/vgpu-1080p"
+        ]
     );
     assert_eq!(available(&d, "gpu", "gpu-16m"), 2);
     assert_eq!(available(&d, "ccw", "ccw-64m"), 2);

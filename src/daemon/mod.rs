@@ -2,10 +2,10 @@
 //! `define`, `undefine`, `start`, `stop`, `remove`, and `migrate` between two daemons:
 //! [`migrate`]): the command line around the daemon library [`umdev::daemon`].
 //!
-//! `umdev daemon` is that library with two parents of `umdev-devices`: the GPU parent (a
-//! framebuffer pool and one render engine shared by its instances) and the ccw parent (an
+//! `umdev daemon` is that library with parents of `umdev-devices`: the GPU parent (a
+//! framebuffer pool and one render engine shared by its instances), the ccw parent (an
 //! image directory, `<state-dir>/ccw-images/`, which it keeps private like the rest of the
-//! state). Everything else (directories, definitions, the control socket, lifecycle,
+//! state) and the virtio-gpu parent (a pool of resource memory). Everything else (directories, definitions, the control socket, lifecycle,
 //! autostart, migration, systemd) is the library's; here are its flags ([`DaemonArgs`]),
 //! the ccw parent's migration check, and the client commands' rendering ([`client`],
 //! [`render`], [`table`]). The client commands read what the daemon reports (its parents
@@ -28,6 +28,8 @@ use umdev_devices::ccw::parent::{CcwParentError, PARAM_IMAGE};
 use umdev_devices::ccw::{CcwParent, CcwParentConfig, CcwType};
 use umdev_devices::gpu::parent::GpuParentError;
 use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType};
+use umdev_devices::virtio_gpu::parent::VirtioGpuParentError;
+use umdev_devices::virtio_gpu::{VirtioGpuParent, VirtioGpuParentConfig, VirtioGpuType};
 
 use crate::CliResult;
 
@@ -74,6 +76,14 @@ pub struct DaemonArgs {
     /// CPUs are busy at normal priority (vCPUs), hence not the default.
     #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, default_value_t = EngineNice::Inherit)]
     pub gpu_engine_nice: EngineNice,
+    /// The virtio-gpu parent's pool of resource memory (what its instances' guests may
+    /// allocate for resources, together), MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub virtio_gpu_pool_mib: u64,
+    /// A virtio-gpu type: resource memory (MiB, its share of the pool) and display mode.
+    /// Repeat for several [default: vgpu-720p:64:1280x720 and vgpu-1080p:128:1920x1080].
+    #[arg(long = "virtio-gpu-type", value_name = "NAME:MIB:WxH")]
+    pub virtio_gpu_types: Vec<VirtioGpuType>,
     /// The ccw parent's storage budget for the images of running instances, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]
     pub ccw_budget_mib: u64,
@@ -159,6 +169,21 @@ enum ParentError {
     Gpu(#[source] GpuParentError),
     #[error("the ccw parent's configuration")]
     Ccw(#[source] CcwParentError),
+    #[error("the virtio-gpu parent's configuration")]
+    VirtioGpu(#[source] VirtioGpuParentError),
+}
+
+/// The virtio-gpu parent of `args`.
+fn virtio_gpu_parent(args: &DaemonArgs) -> Result<Arc<dyn Parent>, BoxError> {
+    let mut config = VirtioGpuParentConfig {
+        pool_mib: args.virtio_gpu_pool_mib,
+        ..VirtioGpuParentConfig::default()
+    };
+    if !args.virtio_gpu_types.is_empty() {
+        config.types = args.virtio_gpu_types.clone();
+    }
+    let parent = VirtioGpuParent::new(config).map_err(ParentError::VirtioGpu)?;
+    Ok(Arc::new(parent))
 }
 
 /// The GPU parent of `args`.
@@ -234,10 +259,11 @@ pub fn run(args: DaemonArgs) -> CliResult {
     // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.
     let builder = unsafe { builder.socket_activation() }?;
     let args = Arc::new(args);
-    let (gpu_args, ccw_args) = (args.clone(), args);
+    let (gpu_args, ccw_args, vgpu_args) = (args.clone(), args.clone(), args);
     builder
         .parent_with(move |_| gpu_parent(&gpu_args))
         .parent_with(move |dirs| ccw_parent(&ccw_args, dirs))
+        .parent_with(move |_| virtio_gpu_parent(&vgpu_args))
         .migration_check(ccw_migration_check)
         .run()?;
     Ok(())
