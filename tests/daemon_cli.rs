@@ -106,7 +106,9 @@ fn test_daemon_types_table_aligned_and_json_follows_pool_flag() {
             "ccw/ccw-16m",
             "ccw/ccw-64m",
             "nvme/nvme-256m",
-            "nvme/nvme-1g"
+            "nvme/nvme-1g",
+            "virtio-gpu/vgpu-720p",
+            "virtio-gpu/vgpu-1080p"
         ]
     );
     assert_eq!(available(&d, "gpu", "gpu-16m"), 2);

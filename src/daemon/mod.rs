@@ -5,7 +5,7 @@
 //! `umdev daemon` is that library with parents of `umdev-devices`: the GPU parent (a
 //! framebuffer pool and one render engine shared by its instances), the ccw parent (an
 //! image directory, `<state-dir>/ccw-images/`, which it keeps private like the rest of the
-//! state) and the nvme parent (NVMe controllers on `<state-dir>/nvme-images/`). Everything else (directories, definitions, the control socket, lifecycle,
+//! state) and the nvme parent (NVMe controllers on `<state-dir>/nvme-images/`) and the virtio-gpu parent (a pool of resource memory). Everything else (directories, definitions, the control socket, lifecycle,
 //! autostart, migration, systemd) is the library's; here are its flags ([`DaemonArgs`]),
 //! the ccw parent's migration check, and the client commands' rendering ([`client`],
 //! [`render`], [`table`]). The client commands read what the daemon reports (its parents
@@ -30,6 +30,8 @@ use umdev_devices::gpu::parent::GpuParentError;
 use umdev_devices::gpu::{EngineNice, GpuParent, GpuParentConfig, GpuType};
 use umdev_devices::nvme::parent::NvmeParentError;
 use umdev_devices::nvme::{NvmeParent, NvmeParentConfig, NvmeType};
+use umdev_devices::virtio_gpu::parent::VirtioGpuParentError;
+use umdev_devices::virtio_gpu::{VirtioGpuParent, VirtioGpuParentConfig, VirtioGpuType};
 
 use crate::CliResult;
 
@@ -77,6 +79,14 @@ pub struct DaemonArgs {
     /// CPUs are busy at normal priority (vCPUs), hence not the default.
     #[arg(long, value_name = "NICE|inherit", allow_negative_numbers = true, default_value_t = EngineNice::Inherit)]
     pub gpu_engine_nice: EngineNice,
+    /// The virtio-gpu parent's pool of resource memory (what its instances' guests may
+    /// allocate for resources, together), MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub virtio_gpu_pool_mib: u64,
+    /// A virtio-gpu type: resource memory (MiB, its share of the pool) and display mode.
+    /// Repeat for several [default: vgpu-720p:64:1280x720 and vgpu-1080p:128:1920x1080].
+    #[arg(long = "virtio-gpu-type", value_name = "NAME:MIB:WxH")]
+    pub virtio_gpu_types: Vec<VirtioGpuType>,
     /// The ccw parent's storage budget for the images of running instances, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 1024)]
     pub ccw_budget_mib: u64,
@@ -184,6 +194,21 @@ enum ParentError {
     Ccw(#[source] CcwParentError),
     #[error("the nvme parent's configuration")]
     Nvme(#[source] NvmeParentError),
+    #[error("the virtio-gpu parent's configuration")]
+    VirtioGpu(#[source] VirtioGpuParentError),
+}
+
+/// The virtio-gpu parent of `args`.
+fn virtio_gpu_parent(args: &DaemonArgs) -> Result<Arc<dyn Parent>, BoxError> {
+    let mut config = VirtioGpuParentConfig {
+        pool_mib: args.virtio_gpu_pool_mib,
+        ..VirtioGpuParentConfig::default()
+    };
+    if !args.virtio_gpu_types.is_empty() {
+        config.types = args.virtio_gpu_types.clone();
+    }
+    let parent = VirtioGpuParent::new(config).map_err(ParentError::VirtioGpu)?;
+    Ok(Arc::new(parent))
 }
 
 /// The GPU parent of `args`.
@@ -272,11 +297,13 @@ pub fn run(args: DaemonArgs) -> CliResult {
     // built later, by `run`), so clearing LISTEN_FDS/LISTEN_PID races nothing.
     let builder = unsafe { builder.socket_activation() }?;
     let args = Arc::new(args);
-    let (gpu_args, ccw_args, nvme_args) = (args.clone(), args.clone(), args);
+    let (gpu_args, ccw_args, nvme_args, vgpu_args) =
+        (args.clone(), args.clone(), args.clone(), args);
     builder
         .parent_with(move |_| gpu_parent(&gpu_args))
         .parent_with(move |dirs| ccw_parent(&ccw_args, dirs))
         .parent_with(move |dirs| nvme_parent(&nvme_args, dirs))
+        .parent_with(move |_| virtio_gpu_parent(&vgpu_args))
         .migration_check(ccw_migration_check)
         .run()?;
     Ok(())

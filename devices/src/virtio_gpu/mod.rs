@@ -26,6 +26,7 @@ mod commands;
 #[cfg(test)]
 mod commands_proptest;
 mod edid;
+pub mod parent;
 pub mod protocol;
 mod screenshot;
 mod state;
@@ -38,6 +39,7 @@ use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError};
 
 pub use commands::{CURSOR_SIZE, MAX_BACKING_ENTRIES};
 pub use edid::{edid, EDID_MAX_DIM};
+pub use parent::{VirtioGpuParent, VirtioGpuParentConfig, VirtioGpuType};
 pub use screenshot::Image;
 
 use protocol::{MAX_SCANOUTS, VIRTIO_GPU_EVENT_DISPLAY, VIRTIO_GPU_F_EDID};
@@ -163,6 +165,9 @@ pub struct VirtioGpu {
     config: VirtioGpuConfig,
     handle: VirtioGpuHandle,
     worker: Option<Worker>,
+    /// Its share of a [`VirtioGpuParent`]'s pool, given back when the device is dropped
+    /// (after the worker stopped: see `Drop`).
+    lease: Option<parent::Lease>,
 }
 
 impl VirtioGpu {
@@ -192,7 +197,14 @@ impl VirtioGpu {
             },
             config,
             worker: None,
+            lease: None,
         })
+    }
+
+    /// The device holding `lease` until it is dropped.
+    pub(crate) fn with_lease(mut self, lease: parent::Lease) -> VirtioGpu {
+        self.lease = Some(lease);
+        self
     }
 
     /// A handle on the display.
@@ -210,6 +222,7 @@ impl VirtioGpu {
 impl Drop for VirtioGpu {
     fn drop(&mut self) {
         self.stop();
+        drop(self.lease.take()); // only once nothing uses the resources any more
     }
 }
 
