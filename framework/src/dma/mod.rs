@@ -95,7 +95,7 @@ pub use budget::{
 };
 pub use error::DmaError;
 pub use naive::NaiveDma;
-pub use pinned_copy::{copy_pinned, copy_segments, PinnedPages};
+pub use pinned_copy::{copy_pinned, copy_segments, PinnedIoError, PinnedPages};
 /// The volatile view of guest memory that [`DmaHandle::pinned_slice`] returns (vm-memory's,
 /// re-exported so that a device crate needs no vm-memory dependency of its own).
 pub use vm_memory::VolatileSlice;
