@@ -81,6 +81,11 @@ pub struct RunArgs {
     /// traps to this process.
     #[arg(long)]
     pub no_shadow_doorbells: bool,
+    /// NVMe: read and write the image with O_DIRECT where a transfer is 4 KiB aligned
+    /// (bypassing the host's page cache; others go through it). The image's file system
+    /// must support O_DIRECT (tmpfs only from Linux 6.6).
+    #[arg(long)]
+    pub direct: bool,
     /// Capacity of a newly created ccw image, in MiB.
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     pub image_size_mib: u64,
@@ -219,6 +224,7 @@ pub fn build_device(kind: DeviceKind, args: &RunArgs) -> Result<Built, Box<dyn s
             cfg.max_io_queues = args.io_queues;
             cfg.shadow_doorbells = !args.no_shadow_doorbells;
             cfg.io_threads = usize::from(args.io_threads);
+            cfg.direct = args.direct;
             (Box::new(PciAdapter::new(Nvme::new(cfg)?)?), None)
         }
     })

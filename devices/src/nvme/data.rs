@@ -1,8 +1,10 @@
-//! Moving a command's data between a host buffer and the guest pages of its [`Transfer`].
+//! Moving a command's data between the image or a host buffer and the guest pages of its
+//! [`Transfer`].
 //!
 //! The pages are pinned with one `pin_pages` call on the whole array (so the DMA layer
-//! coalesces a guest's contiguous buffer into one run) and copied through the pins with
-//! [`PinnedPages`], under the submission queue's `pinning` lock (shared), which the unmap
+//! coalesces a guest's contiguous buffer into one run); Read and Write data moves between
+//! the image and the pins with `preadv`/`pwritev` ([`DataPath::image`], no bounce buffer),
+//! admin data is copied through the pins with [`PinnedPages`], both under the submission queue's `pinning` lock (shared), which the unmap
 //! notifier takes exclusively to wait for them; the pins are gone when the call returns. Memory mapped without
 //! an fd cannot be pinned (`FdLess`): the data then goes through the DMA layer's copies
 //! (DMA_READ/DMA_WRITE messages to the client), one per run of consecutive pages, without
@@ -11,8 +13,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
-use umdev::dma::{DmaError, DmaHandle, PinnedPages, Prot, PAGE_SHIFT, PAGE_SIZE};
+use umdev::dma::{DmaError, DmaHandle, PinnedIoError, PinnedPages, Prot, PAGE_SHIFT, PAGE_SIZE};
 
+use super::namespace::Namespace;
 use super::prp::Transfer;
 
 /// What a data copy needs from its queue.
@@ -67,6 +70,56 @@ impl DataPath<'_> {
         Ok(())
     }
 
+    /// Move the command's data between the image and the guest pages of `t` with no
+    /// bounce buffer: the pages pinned (one coalesced `pin_pages`), then `preadv` into them
+    /// (`to_guest`: a Read) or `pwritev` from them (a Write). Memory that cannot be pinned
+    /// (fd-less) goes through a buffer and the DMA layer's copies instead.
+    pub fn image(
+        &self,
+        t: &Transfer,
+        ns: &Namespace,
+        file_offset: u64,
+        to_guest: bool,
+    ) -> Result<(), ImageIoError> {
+        if t.len == 0 {
+            return Ok(());
+        }
+        let file = ns.file_for(file_offset, t.len, t.offset);
+        let prot = if to_guest { Prot::WRITE } else { Prot::READ };
+        {
+            let _pinning = self.pinning.read().unwrap_or_else(|e| e.into_inner());
+            match self.pin(t, prot) {
+                Ok(p) => {
+                    let mut moved = Ok(());
+                    let unpinned = self.unpin_after(p, |p| {
+                        moved = if to_guest {
+                            p.read_from_file(file, file_offset, t.offset, t.len)
+                        } else {
+                            p.write_to_file(file, file_offset, t.offset, t.len)
+                        };
+                        Ok(())
+                    });
+                    return match moved {
+                        Err(PinnedIoError::Io(e)) => Err(ImageIoError::Host(e)),
+                        Err(PinnedIoError::Dma(e)) => Err(ImageIoError::Dma(e)),
+                        Ok(()) => unpinned.map_err(ImageIoError::Dma),
+                    };
+                }
+                Err(DmaError::FdLess { .. }) => {}
+                Err(e) => return Err(ImageIoError::Dma(e)),
+            }
+        }
+        // Through a buffer (and the page cache: the buffer is not aligned for O_DIRECT).
+        let mut buf = vec![0u8; t.len as usize];
+        if to_guest {
+            ns.read(file_offset, &mut buf).map_err(ImageIoError::Host)?;
+            self.to_guest(t, &buf).map_err(ImageIoError::Dma)
+        } else {
+            self.from_guest(t, &mut buf).map_err(ImageIoError::Dma)?;
+            ns.write(file_offset, &buf).map_err(ImageIoError::Host)
+        }
+    }
+
     fn pin(&self, t: &Transfer, prot: Prot) -> Result<PinnedPages, DmaError> {
         let p = PinnedPages::pin(self.dma, &t.pfns, prot)?;
         self.pins_held
@@ -85,6 +138,15 @@ impl DataPath<'_> {
         self.pins_held.fetch_sub(n, Ordering::SeqCst);
         r.and(unpinned)
     }
+}
+
+/// Why a transfer between the image and guest memory failed.
+#[derive(Debug)]
+pub enum ImageIoError {
+    /// Guest memory (not mapped, Bus Master off, unmapped meanwhile): Data Transfer Error.
+    Dma(DmaError),
+    /// The image file: a media error status.
+    Host(std::io::Error),
 }
 
 /// The runs of consecutive pages of `t`: `(iova, position in the buffer, bytes)`.

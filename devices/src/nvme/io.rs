@@ -3,12 +3,14 @@
 //!
 //! A Read or Write checks the namespace, the LBA range and the transfer size (MDTS)
 //! first, walks the PRPs into one page array, then moves the data between the image and
-//! the pinned guest pages through a buffer ([`super::data`]). A failure of the host file
+//! the pinned guest pages with `preadv`/`pwritev` on the pins, no bounce buffer
+//! ([`super::data`]; fd-less memory goes through a buffer). A failure of the host file
 //! is logged and becomes a media or internal error status ([`super::namespace::io_status`]).
 
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::ctrl::Shared;
+use super::data::ImageIoError;
 use super::namespace::{io_status, BLOCK_SIZE};
 use super::prp;
 use super::queues::Sq;
@@ -82,37 +84,31 @@ fn rw(shared: &Shared, sq: &Sq, cmd: &Command, write: bool) -> Status {
             return e.status();
         }
     };
-    let mut buf = vec![0u8; len as usize];
     let data = shared.data_path(sq);
     let c = &shared.counters;
-    if write {
-        if let Err(e) = data.from_guest(&t, &mut buf) {
-            tracing::warn!(qid = sq.params.id, cid = cmd.cid, "nvme: write data: {e}");
+    let what = if write { "write" } else { "read" };
+    let mut s = match data.image(&t, &shared.ns, off, !write) {
+        Ok(()) => Status::SUCCESS,
+        Err(ImageIoError::Dma(e)) => {
+            tracing::warn!(qid = sq.params.id, cid = cmd.cid, "nvme: {what} data: {e}");
             return Status::DATA_TRANSFER_ERROR;
         }
-        let mut s = host(shared.ns.write(off, &buf), "write", true, shared);
-        // FUA: on stable storage before the completion.
-        if s.is_success() && cmd.dw(12) & (1 << 30) != 0 {
-            s = host(shared.ns.flush(), "flush", true, shared);
-        }
-        if s.is_success() {
+        Err(ImageIoError::Host(e)) => host(Err(e), what, write, shared),
+    };
+    // FUA: on stable storage before the completion.
+    if write && s.is_success() && cmd.dw(12) & (1 << 30) != 0 {
+        s = host(shared.ns.flush(), "flush", true, shared);
+    }
+    if s.is_success() {
+        if write {
             c.writes.fetch_add(1, Relaxed);
             c.blocks_written.fetch_add(len / BLOCK_SIZE, Relaxed);
+        } else {
+            c.reads.fetch_add(1, Relaxed);
+            c.blocks_read.fetch_add(len / BLOCK_SIZE, Relaxed);
         }
-        s
-    } else {
-        let s = host(shared.ns.read(off, &mut buf), "read", false, shared);
-        if !s.is_success() {
-            return s;
-        }
-        if let Err(e) = data.to_guest(&t, &buf) {
-            tracing::warn!(qid = sq.params.id, cid = cmd.cid, "nvme: read data: {e}");
-            return Status::DATA_TRANSFER_ERROR;
-        }
-        c.reads.fetch_add(1, Relaxed);
-        c.blocks_read.fetch_add(len / BLOCK_SIZE, Relaxed);
-        Status::SUCCESS
     }
+    s
 }
 
 /// Dataset Management: with AD, deallocate each range (advisory: a range the filesystem

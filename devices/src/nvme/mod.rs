@@ -93,6 +93,10 @@ pub struct NvmeConfig {
     /// Threads of the I/O pool shared by the queues (0: each queue's worker does its own
     /// I/O, one command at a time).
     pub io_threads: usize,
+    /// Read and write the image with O_DIRECT (bypassing the host's page cache) where a
+    /// transfer is 4 KiB aligned in memory, offset and length; others use the page cache.
+    /// The image's file system must support O_DIRECT (tmpfs does only from Linux 6.6).
+    pub direct: bool,
 }
 
 impl NvmeConfig {
@@ -108,6 +112,7 @@ impl NvmeConfig {
             serial: "UMDEV0001".into(),
             shadow_doorbells: true,
             io_threads: 4,
+            direct: false,
         }
     }
 
@@ -140,7 +145,10 @@ pub struct Nvme {
 impl Nvme {
     /// Open the image and build the controller (its threads start at attach).
     pub fn new(config: NvmeConfig) -> Result<Nvme, ImageError> {
-        let ns = Namespace::open(&config.image, config.size)?;
+        let mut ns = Namespace::open(&config.image, config.size)?;
+        if config.direct {
+            ns.enable_direct(&config.image)?;
+        }
         Ok(Nvme::with_namespace(config, ns))
     }
 
@@ -148,12 +156,20 @@ impl Nvme {
     /// and writing (how a parent serves an image it has checked; `config.size` as for
     /// [`Nvme::new`], but nothing is created).
     pub fn from_file(config: NvmeConfig, file: std::fs::File) -> Result<Nvme, ImageError> {
-        let ns = Namespace::from_file(file, &config.image, config.size)?;
+        let mut ns = Namespace::from_file(file, &config.image, config.size)?;
+        if config.direct {
+            ns.enable_direct(&config.image)?;
+        }
         Ok(Nvme::with_namespace(config, ns))
     }
 
     fn with_namespace(config: NvmeConfig, ns: Namespace) -> Nvme {
-        tracing::info!(image = %config.image.display(), blocks = ns.blocks(), "nvme: image opened");
+        tracing::info!(
+            image = %config.image.display(),
+            blocks = ns.blocks(),
+            direct = ns.is_direct(),
+            "nvme: image opened"
+        );
         Nvme {
             limits: Limits {
                 max_io_queues: config.max_io_queues.clamp(1, MAX_IO_QUEUES),

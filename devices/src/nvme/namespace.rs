@@ -10,7 +10,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::spec::Status;
@@ -51,12 +51,31 @@ pub enum ImageError {
         /// The size asked for.
         bytes: u64,
     },
+    /// O_DIRECT was asked for and the image's file system refuses it (tmpfs before
+    /// Linux 6.6, for one).
+    #[error(
+        "image {path}: O_DIRECT is not supported by its file system (serve it without direct I/O)"
+    )]
+    Direct {
+        /// The image path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
 }
+
+/// Alignment of memory, file offset and length for a transfer through the O_DIRECT
+/// descriptor (the strictest a host block device asks for); anything else goes through
+/// the page cache.
+pub const DIRECT_ALIGN: u64 = 4096;
 
 /// The namespace's backing image.
 #[derive(Debug)]
 pub struct Namespace {
     file: File,
+    /// The same image opened with O_DIRECT (`NvmeConfig::direct`).
+    direct: Option<File>,
     blocks: u64,
 }
 
@@ -104,7 +123,11 @@ impl Namespace {
                 path: path.to_owned(),
             });
         }
-        Ok(Namespace { file, blocks })
+        Ok(Namespace {
+            file,
+            direct: None,
+            blocks,
+        })
     }
 
     /// Size in logical blocks.
@@ -126,6 +149,40 @@ impl Namespace {
     /// Write `data` at byte `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.file.write_all_at(data, offset)
+    }
+
+    /// Open the image a second time with O_DIRECT (through `/proc/self/fd`, so the very
+    /// file already open, even if its path changed) for aligned transfers
+    /// ([`Namespace::file_for`]); `path` names it in errors.
+    pub fn enable_direct(&mut self, path: &Path) -> Result<(), ImageError> {
+        let direct = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+            .map_err(|source| ImageError::Direct {
+                path: path.to_owned(),
+                source,
+            })?;
+        self.direct = Some(direct);
+        Ok(())
+    }
+
+    /// True if aligned transfers bypass the host's page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
+    /// The descriptor for a transfer of `len` bytes at image byte `offset` whose guest
+    /// buffer starts `mem_offset` bytes into its first page: the O_DIRECT one if it is
+    /// enabled and all three are [`DIRECT_ALIGN`]ed (every later piece of a PRP transfer
+    /// starts on a page), else the buffered one. Both are the same file: Linux keeps the
+    /// page cache coherent with direct writes.
+    pub fn file_for(&self, offset: u64, len: u64, mem_offset: u64) -> &File {
+        match &self.direct {
+            Some(d) if (offset | len | mem_offset) % DIRECT_ALIGN == 0 => d,
+            _ => &self.file,
+        }
     }
 
     /// Flush to stable storage.

@@ -324,7 +324,9 @@ impl NvmeParent {
         let nvme = Nvme::from_file(config, file).map_err(|e| {
             let what = e.to_string();
             let source = match e {
-                ImageError::Open { source, .. } | ImageError::Size { source, .. } => source,
+                ImageError::Open { source, .. }
+                | ImageError::Size { source, .. }
+                | ImageError::Direct { source, .. } => source,
                 ImageError::Empty { .. } | ImageError::TooLarge { .. } => {
                     std::io::Error::from_raw_os_error(libc::EINVAL)
                 }
