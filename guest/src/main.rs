@@ -14,6 +14,7 @@ mod hello;
 mod mem;
 mod mmio;
 mod nvme;
+mod nvme_bench;
 mod pci;
 mod report;
 mod uio;
@@ -88,6 +89,16 @@ const SCENARIOS: &[Scenario] = &[
         "nvme-reboot",
         "NVMe: a guest reboot with O_DIRECT writes in flight; the driver binds again after it",
         nvme::run_reboot,
+    ),
+    (
+        "nvme-bme",
+        "NVMe: Bus Master cleared under the stock driver: no DMA, fatal status, the driver's reset recovers",
+        nvme::run_bme,
+    ),
+    (
+        "nvme-bench",
+        "NVMe: umdev's controller and QEMU's -device nvme side by side (AIO, QD1/QD32, 128 KiB)",
+        nvme_bench::run,
     ),
     (
         "unplug",

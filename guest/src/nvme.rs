@@ -269,3 +269,113 @@ pub fn run_reboot(r: &mut Report) -> Option<()> {
     r.check("nvme-reboot.reboot", false, io::Error::last_os_error());
     None
 }
+
+/// Where `run_bme` does its I/O: in the raw half, clear of every range `run` writes.
+const BME_OFF: u64 = RAW + (24 << 20);
+const BME_LEN: usize = 64 << 10;
+const SEED_BME_OLD: u64 = 0x4e42_0001;
+const SEED_BME_AFTER: u64 = 0x4e42_0002;
+
+/// Bus Master cleared under the stock driver. Data written first; then the guest clears
+/// Bus Master in the command register (behind the driver's back, as a buggy or hostile
+/// guest may) and reads that data into a buffer of 0xa5 bytes: the controller must not
+/// touch guest memory — the buffer stays as it was and nothing completes — so the
+/// driver's I/O timeout (`nvme_core.io_timeout` on this run's command line) finds the
+/// controller fatal (CSTS.CFS) and resets it, which sets Bus Master again. The read then
+/// ends (retried with the right data, or an error: both are the driver's choice), and a
+/// fresh O_DIRECT round trip verifies.
+pub fn run_bme(r: &mut Report) -> Option<()> {
+    use crate::mem::DmaBuf;
+    use crate::pci::{command, PciDev};
+    use umdev_devices::nvme::identify::{DEVICE_ID, VENDOR_ID};
+
+    r.ok("nvme-bme.bound", wait_disk(Duration::from_secs(30)))?;
+    let dev = r.ok("nvme-bme.pci", PciDev::find(VENDOR_ID, DEVICE_ID))?;
+    let f = r.ok("nvme-bme.open_direct", open_direct())?;
+    let res = round_trip(&f, BME_OFF, BME_LEN, SEED_BME_OLD);
+    r.check(
+        "nvme-bme.before",
+        res.is_ok(),
+        res.err().unwrap_or_default(),
+    )
+    .then_some(())?;
+    let buf = r.ok("nvme-bme.buffer", DmaBuf::new(BME_LEN / 4096))?;
+    r.ok("nvme-bme.buffer_fill", buf.fill(0, BME_LEN, 0xa5))?;
+    r.ok(
+        "nvme-bme.clear_bus_master",
+        dev.update_command(0, command::BUS_MASTER),
+    )?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = r.ok("nvme-bme.open_reader", open_direct())?;
+    let addr = buf.vaddr();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `addr` is `buf`'s mapping of BME_LEN bytes, which the scenario keeps
+        // alive until this thread has sent its result (it waits on `rx` before dropping
+        // `buf`, or leaks it if the read never ends).
+        let n = unsafe {
+            libc::pread(
+                reader.as_raw_fd(),
+                addr as *mut libc::c_void,
+                BME_LEN,
+                BME_OFF as libc::off_t,
+            )
+        };
+        let res = if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        };
+        let _ = tx.send(res);
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let early = rx.try_recv().ok();
+    r.check(
+        "nvme-bme.no_completion",
+        early.is_none(),
+        format_args!("the read completed while Bus Master was clear: {early:?}"),
+    );
+    let mut seen = vec![0u8; BME_LEN];
+    r.ok("nvme-bme.buffer_read", buf.read_at(0, &mut seen))?;
+    let touched = seen.iter().position(|&b| b != 0xa5);
+    r.check(
+        "nvme-bme.memory_untouched",
+        touched.is_none(),
+        format_args!("buffer byte {touched:?} changed while Bus Master was clear"),
+    );
+    // The driver's timeout and reset: up to io_timeout plus the reset.
+    let Ok(done) = rx.recv_timeout(Duration::from_secs(90)) else {
+        r.check(
+            "nvme-bme.read_ended",
+            false,
+            "the read did not end within 90 s (the driver did not recover)",
+        );
+        std::mem::forget(buf);
+        return None;
+    };
+    r.check("nvme-bme.read_ended", true, format_args!("{done:?}"));
+    if let Ok(n) = done {
+        let good = n == BME_LEN && {
+            r.ok("nvme-bme.buffer_reread", buf.read_at(0, &mut seen))?;
+            umdev_devices::ccw::driver::pattern::first_mismatch(SEED_BME_OLD, BME_OFF, &seen)
+                .is_none()
+        };
+        r.check(
+            "nvme-bme.read_data",
+            good,
+            format_args!("a read that succeeded after the reset returned {n} bytes"),
+        );
+    }
+    let cmd = r.ok("nvme-bme.command_after", dev.command())?;
+    r.check(
+        "nvme-bme.bus_master_again",
+        cmd & command::BUS_MASTER != 0,
+        format_args!("command register {cmd:#06x} after the driver's reset"),
+    );
+    let res = round_trip(&f, BME_OFF, BME_LEN, SEED_BME_AFTER);
+    let ok = r.check("nvme-bme.after", res.is_ok(), res.err().unwrap_or_default());
+    if ok {
+        r.image("bme_after", BME_OFF, BME_LEN as u64, SEED_BME_AFTER);
+    }
+    Some(())
+}

@@ -19,7 +19,10 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 echo "UMDEV-BOOT $(cut -d' ' -f1 /proc/uptime)"
 for m in $(cat /lib/modules/order); do
-    insmod /lib/modules/$m.ko || echo "umdev-init: insmod $m failed"
+    # The module's parameters from the kernel command line (mod.param=value), as modprobe
+    # would pass them: insmod does not read /proc/cmdline.
+    params=$(tr ' ' '\n' < /proc/cmdline | sed -n "s/^$m\.//p")
+    insmod /lib/modules/$m.ko $params || echo "umdev-init: insmod $m $params failed"
 done
 echo 32 > /proc/sys/vm/nr_hugepages
 scenarios=$(sed -n 's/.*umdev\.scenarios=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ')

@@ -12,6 +12,7 @@
 //! with the vfio-user unplug fix and is skipped, with the reason, without one
 //! (`qemu_unplug.rs`).
 
+mod cpu_cues;
 mod daemon;
 mod image;
 mod initramfs;
@@ -57,7 +58,29 @@ struct Plan {
     /// QEMU's own devices added to the guest (`-device` values), e.g. `edu` as the
     /// in-process anchor of the `mmio-latency` scenario.
     builtin: &'static [&'static str],
+    /// Adds QEMU's own NVMe controller (`-device nvme`) on a 64 MiB image beside umdev's,
+    /// and keeps the run's directory (both images) on the host's tmpfs: the anchor of
+    /// `nvme-bench`.
+    qemu_nvme: bool,
+    /// Extra guest kernel command line (module parameters as `mod.param=value`).
+    append: &'static str,
 }
+
+/// What a plan has unless it says otherwise (`..BASE`).
+const BASE: Plan = Plan {
+    name: "",
+    what: "",
+    ram: Ram::Memfd,
+    viommu: false,
+    allow_reboot: false,
+    servers: Servers::Processes(&[]),
+    scenarios: &[],
+    host_checks: None,
+    needs_unplug_fix: false,
+    builtin: &[],
+    qemu_nvme: false,
+    append: "",
+};
 
 /// Host-side checks of a run, from the guest's console and the stopped servers.
 type HostChecks = fn(&GuestLog, &[server::Outcome]) -> Vec<Check>;
@@ -67,9 +90,6 @@ const PLANS: &[Plan] = &[
     Plan {
         name: "memfd",
         what: "guest RAM as a shared memfd: devices pin guest pages",
-        ram: Ram::Memfd,
-        viommu: false,
-        allow_reboot: false,
         servers: Servers::Processes(&[Kind::Hello, Kind::Gpu, Kind::Ccw]),
         scenarios: &[
             "hello",
@@ -80,110 +100,117 @@ const PLANS: &[Plan] = &[
             "ccw-intx",
             "ccw-bme",
         ],
-        host_checks: None,
-        needs_unplug_fix: false,
         builtin: &["edu"],
+        ..BASE
     },
     Plan {
         name: "plain",
         what: "plain guest RAM: DMA through DMA_READ/DMA_WRITE, pins refused",
         ram: Ram::Plain,
-        viommu: false,
-        allow_reboot: false,
         servers: Servers::Processes(&[Kind::Hello, Kind::Gpu, Kind::Ccw]),
         scenarios: &["hello", "gpu-plain", "ccw-plain"],
-        host_checks: None,
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
     },
     Plan {
         name: "nvme",
-        what: "NVMe with the guest's stock nvme driver, memfd RAM (pinned rings and PRP pages)",
-        ram: Ram::Memfd,
-        viommu: false,
-        allow_reboot: false,
+        what: "NVMe with the guest's stock nvme driver, memfd RAM (pinned rings and PRP pages); \
+               Bus Master cleared under it",
         servers: Servers::Processes(&[Kind::Nvme]),
-        scenarios: &["nvme", "nvme-fs"],
-        host_checks: None,
-        needs_unplug_fix: false,
-        builtin: &[],
+        scenarios: &["nvme", "nvme-fs", "nvme-bme"],
+        host_checks: Some(nvme_bme_checks),
+        // nvme-bme waits for the driver's I/O timeout (30 s by default).
+        append: "nvme_core.io_timeout=6",
+        ..BASE
     },
     Plan {
         name: "nvme-plain",
         what: "NVMe with the stock driver on plain RAM: rings and data through DMA_READ/WRITE",
         ram: Ram::Plain,
-        viommu: false,
-        allow_reboot: false,
         servers: Servers::Processes(&[Kind::Nvme]),
         scenarios: &["nvme", "nvme-fs"],
-        host_checks: None,
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
     },
     Plan {
         name: "nvme-viommu",
         what: "NVMe with the stock driver behind intel-iommu: every I/O's pages mapped and \
                unmapped by the guest's IOMMU driver",
-        ram: Ram::Memfd,
         viommu: true,
-        allow_reboot: false,
         servers: Servers::Processes(&[Kind::Nvme]),
         scenarios: &["nvme", "nvme-fs"],
-        host_checks: None,
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
     },
     Plan {
         name: "nvme-reboot",
         what: "NVMe: the guest reboots with writes in flight, the stock driver binds again",
-        ram: Ram::Memfd,
-        viommu: false,
         allow_reboot: true,
         servers: Servers::Processes(&[Kind::Nvme]),
         scenarios: &["nvme-reboot"],
         host_checks: Some(booted_twice),
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
+    },
+    Plan {
+        name: "nvme-bench",
+        what: "umdev's NVMe beside QEMU's own -device nvme in one guest (images on tmpfs): \
+               IOPS, MB/s and host CPU per I/O, side by side",
+        servers: Servers::Processes(&[Kind::Nvme]),
+        scenarios: &["nvme-bench"],
+        builtin: &["nvme,serial=qemu-nvme,drive=qnvme"],
+        qemu_nvme: true,
+        ..BASE
     },
     Plan {
         name: "viommu",
         what: "the GPU behind intel-iommu (caching mode), driven through the guest's VFIO",
-        ram: Ram::Memfd,
         viommu: true,
         allow_reboot: true,
         servers: Servers::Processes(&[Kind::Gpu]),
         scenarios: &["gpu-viommu"],
         host_checks: Some(viommu_checks),
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
     },
     Plan {
         name: "virtio-gpu",
         what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: fb0, a pattern \
                the host screenshot must hold pixel for pixel",
-        ram: Ram::Memfd,
-        viommu: false,
-        allow_reboot: false,
         servers: Servers::Processes(&[Kind::VirtioGpu]),
         scenarios: &["virtio-gpu"],
         host_checks: Some(virtio_gpu_checks),
-        needs_unplug_fix: false,
-        builtin: &[],
+        ..BASE
     },
     Plan {
         name: "unplug",
         what: "umdev daemon instances removed while the guest uses them (hot-unplug, busy, \
                force)",
-        ram: Ram::Memfd,
-        viommu: false,
-        allow_reboot: false,
         servers: Servers::UnplugDaemon,
         scenarios: &["unplug", "unplug-busy"],
-        host_checks: None,
         needs_unplug_fix: true,
-        builtin: &[],
+        ..BASE
     },
 ];
+
+/// The Bus Master run (`nvme-bme`): the controller must have gone fatal when the guest
+/// cleared Bus Master under it (its log says so), the proof that it stopped its DMA
+/// rather than the guest merely not seeing it.
+fn nvme_bme_checks(log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check> {
+    if !log.ended.iter().any(|e| e == "nvme-bme") {
+        return vec![];
+    }
+    servers
+        .iter()
+        .filter(|s| s.kind == Kind::Nvme)
+        .map(|s| {
+            let fatal = s
+                .log
+                .lines()
+                .find(|l| l.contains("controller fatal status"));
+            Check::new(
+                "nvme-bme.server_fatal_status",
+                fatal.is_some(),
+                fatal.unwrap_or("no 'controller fatal status' line in the server's log"),
+            )
+        })
+        .collect()
+}
 
 /// The vIOMMU run reboots the guest with live VFIO mappings (`guest/src/viommu.rs`): the
 /// guest must have booted exactly twice (phase 1, then phase 2 after the reboot), and the
@@ -314,6 +341,7 @@ nvme     the NVMe controller with the guest's stock nvme driver (memfd RAM)\n  \
 nvme-plain  the same on plain RAM (DMA_READ/DMA_WRITE)\n  \
 nvme-viommu the same behind intel-iommu\n  \
 nvme-reboot a guest reboot with NVMe writes in flight\n  \
+nvme-bench  umdev's NVMe beside QEMU's own -device nvme: IOPS, MB/s, host CPU per I/O\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
 virtio-gpu  umdev's virtio-gpu under the stock virtio_gpu driver; the screenshot holds\n           \
 the pattern the guest wrote to /dev/fb0\n  \
@@ -426,6 +454,7 @@ fn kvm_works(args: &Args, work: &Path) -> bool {
         allow_reboot: false,
         devices: vec![],
         builtin: vec![],
+        extra_args: vec![],
         append: "earlyprintk=ttyS0".into(),
         timeout: Duration::from_secs(20),
         echo: false,
@@ -462,6 +491,22 @@ fn selected<'a>(plan: &'a Plan, args: &Args) -> Vec<&'a str> {
 }
 
 fn run_plan(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -> Outcome {
+    // The side-by-side NVMe run keeps both images on tmpfs (the issue's "same image on
+    // tmpfs"): its directory moves to /dev/shm, and goes once the run passed.
+    let shm = Path::new("/dev/shm");
+    if plan.qemu_nvme && shm.is_dir() {
+        let moved = shm.join(format!("umdev-vmtest-{}-{}", std::process::id(), plan.name));
+        eprintln!("  run directory (tmpfs): {}", moved.display());
+        let out = run_plan_in(plan, args, accel, initrd, &moved);
+        if out.checks.iter().all(|c| c.ok) {
+            let _ = std::fs::remove_dir_all(&moved);
+        }
+        return out;
+    }
+    run_plan_in(plan, args, accel, initrd, dir)
+}
+
+fn run_plan_in(plan: &Plan, args: &Args, accel: Accel, initrd: &Path, dir: &Path) -> Outcome {
     if let Err(e) = std::fs::create_dir_all(dir) {
         return Outcome {
             checks: vec![Check::new(format!("{}.setup", plan.name), false, e)],
@@ -496,7 +541,14 @@ fn vm<'a>(
         allow_reboot: plan.allow_reboot,
         devices,
         builtin: plan.builtin.iter().map(|b| b.to_string()).collect(),
-        append: format!("umdev.scenarios={}", selected(plan, args).join(",")),
+        extra_args: vec![],
+        append: format!(
+            "umdev.scenarios={} {}",
+            selected(plan, args).join(","),
+            plan.append
+        )
+        .trim_end()
+        .to_string(),
         timeout: Duration::from_secs(args.timeout),
         echo: args.verbose,
         stderr_log: dir.join("qemu.stderr"),
@@ -604,8 +656,33 @@ fn run_processes(
         .iter()
         .map(|s| Attach::root_bus(s.socket.clone()))
         .collect();
-    let run = vm(plan, args, accel, &kernel, initrd, dir, devices).run();
+    let mut vm = vm(plan, args, accel, &kernel, initrd, dir, devices);
+    if plan.qemu_nvme {
+        let image = dir.join("qemu-nvme.img");
+        let made = std::fs::File::create(&image).and_then(|f| f.set_len(64 << 20));
+        if let Err(e) = made {
+            checks.push(Check::new("qemu_nvme.image", false, e));
+        }
+        vm.extra_args = vec![
+            "-drive".into(),
+            format!(
+                "file={},if=none,id=qnvme,format=raw,discard=unmap",
+                image.display()
+            ),
+        ];
+    }
+    // Host CPU samples at the guest's begin/end cues (cpu_cues.rs), while the VM runs.
+    let pids: Vec<u32> = servers.iter().map(Server::pid).collect();
+    let (tx, rx) = mpsc::channel();
+    vm.watch = Some(tx);
+    let (run, cpu) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| cpu_cues::collect(rx, "nvme-bench", &pids));
+        let run = vm.run();
+        drop(vm);
+        (run, sampler.join().unwrap_or_default())
+    });
     let (mut out, guest_log) = guest_results(&run, &scenarios, dir);
+    out.measures.extend(cpu);
     checks.append(&mut out.checks);
     let stopped: Vec<server::Outcome> = servers.into_iter().map(Server::stop).collect();
     for s in &stopped {

@@ -90,6 +90,8 @@ pub struct Vm<'a> {
     pub devices: Vec<Attach>,
     /// QEMU's own devices to add (`-device` values, e.g. `edu`), after the vfio-user ones.
     pub builtin: Vec<String>,
+    /// More QEMU arguments, before the devices (e.g. the `-drive` a built-in device uses).
+    pub extra_args: Vec<String>,
     /// A QMP monitor on this unix socket (QEMU creates it).
     pub qmp: Option<PathBuf>,
     /// Extra kernel command line.
@@ -222,6 +224,7 @@ impl Vm<'_> {
                 ),
             ]);
         }
+        c.args(&self.extra_args);
         for b in &self.builtin {
             c.args(["-device", b]);
         }

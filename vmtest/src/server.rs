@@ -157,6 +157,11 @@ impl Server {
         })
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGTERM it and wait (up to 15 s, then SIGKILL).
     pub fn stop(mut self) -> Outcome {
         let (alive_after_guest, exit) = terminate(&mut self.child, Duration::from_secs(15));
