@@ -37,6 +37,8 @@ pub enum Ctl {
     Shutdown,
     /// Device reset: like Disable, then answer.
     Reset(Sender<()>),
+    /// Answer once everything sent before is done (a migration stop).
+    Sync(Sender<()>),
 }
 
 /// The thread's loop; ends when the device drops its sender.
@@ -48,6 +50,9 @@ pub fn run(shared: &Arc<Shared>, rx: &Receiver<Ctl>) {
             Ctl::Shutdown => shutdown(shared),
             Ctl::Reset(done) => {
                 disable(shared);
+                let _ = done.send(());
+            }
+            Ctl::Sync(done) => {
                 let _ = done.send(());
             }
         }

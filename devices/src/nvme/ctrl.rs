@@ -26,6 +26,7 @@ use super::namespace::Namespace;
 use super::pool::Job;
 use super::queues::{lock, Cq, Sq};
 use super::regs::CSTS_CFS;
+use super::spec::Completion;
 
 /// What the controller offers, fixed at construction.
 #[derive(Clone, Debug)]
@@ -112,7 +113,7 @@ pub const AEN_INVALID_DOORBELL: u32 = 0x01 << 16;
 /// Asynchronous event type Error, info Invalid Doorbell Write Value, log page Error.
 pub const AEN_INVALID_DOORBELL_VALUE: u32 = 0x01 << 16 | 0x01 << 8;
 /// Most events kept waiting.
-const MAX_EVENTS: usize = 16;
+pub(crate) const MAX_EVENTS: usize = 16;
 
 /// The SMART counters.
 #[derive(Debug, Default)]
@@ -136,18 +137,27 @@ pub struct SqSlot {
     /// Wakes the worker.
     pub wake: Sender<()>,
     /// The worker thread, joined when the queue is deleted.
-    pub thread: Mutex<Option<JoinHandle<()>>>,
+    pub thread: Mutex<Option<JoinHandle<VecDeque<Completion>>>>,
 }
 
 impl SqSlot {
     /// Stop the worker and wait for it (its current command finishes first).
     pub fn stop(&self) {
+        self.pause();
+    }
+
+    /// Stop the worker and wait for it, its commands in the I/O pool included; the
+    /// completions it had not posted yet (a migration keeps them, a reset drops them).
+    pub fn pause(&self) -> VecDeque<Completion> {
         self.sq.stop.store(true, Ordering::SeqCst);
         let _ = self.wake.try_send(());
-        if let Some(h) = lock(&self.thread).take() {
-            if h.join().is_err() {
+        match lock(&self.thread).take().map(JoinHandle::join) {
+            Some(Ok(pending)) => pending,
+            Some(Err(_)) => {
                 tracing::error!(qid = self.sq.params.id, "nvme: queue worker panicked");
+                VecDeque::new()
             }
+            None => VecDeque::new(),
         }
     }
 }
