@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use nvme_support::*;
 use proptest::prelude::*;
-use umdev::migration::{decode_state, encode_state, Migrate, MigrationError};
+use umdev::migration::{decode_state, encode_state, MigState, Migrate, MigrationError};
 use umdev::pci::PciDevice;
-use umdev::testing::{migrate, MigrateOptions, Migration};
+use umdev::testing::{migrate, DeviceAccess, MigrateOptions, Migration};
 use umdev_devices::nvme::migration::wire::{
     CompletionV1, NvmeStateV1, MAX_PENDING, STATE_FORMAT, STATE_VERSION,
 };
@@ -237,10 +237,10 @@ fn test_nvme_migration_stop_with_io_in_flight_completes_each_command_exactly_onc
     );
 }
 
-#[test]
-fn test_nvme_migration_full_cq_completions_held_at_stop_post_on_destination() {
-    // A 4-entry CQ under a 16-entry SQ: 12 reads, the CQ fills after 3, the rest wait in
-    // the worker; STOP holds them and the destination posts them as the guest makes room.
+/// A guest whose queue 1 (a 4-entry CQ under a 16-entry SQ, I/O on the queue worker) has
+/// 12 reads published: the CQ fills after 3, the next completion waits in the worker for
+/// room. Returns the guest and the command ids.
+fn full_cq_guest() -> (Guest, Vec<u16>) {
     let mut src = Guest::migratable(None, |c| c.io_threads = 0);
     src.enable();
     assert!(src.set_queues(1).status.is_success());
@@ -269,6 +269,20 @@ fn test_nvme_migration_full_cq_completions_held_at_stop_post_on_destination() {
         assert!(std::time::Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(1));
     }
+    (src, cids)
+}
+
+/// Reap the 12 completions of [`full_cq_guest`]'s queue 1 on `g`: each command once.
+fn reap_all_once(g: &mut Guest, cids: &[u16]) {
+    let mut got: Vec<u16> = (0..cids.len()).map(|_| g.reap(1).cid).collect();
+    got.sort_unstable();
+    assert_eq!(got, cids);
+    assert!(g.reap_within(1, Duration::from_millis(50)).is_none());
+}
+
+#[test]
+fn test_nvme_migration_full_cq_completions_held_at_stop_post_on_destination() {
+    let (mut src, cids) = full_cq_guest();
     let state = state_of(&saved(&src));
     let sq1 = state.sqs.iter().find(|s| s.id == 1).unwrap();
     assert!(
@@ -276,11 +290,55 @@ fn test_nvme_migration_full_cq_completions_held_at_stop_post_on_destination() {
         "a completion held for room: {sq1:?}"
     );
     let mut dst = migrate_guest(&mut src, |c| c.io_threads = 0);
-    let mut got: Vec<u16> = (0..12).map(|_| dst.reap(1).cid).collect();
-    got.sort_unstable();
-    assert_eq!(got, cids);
-    assert!(dst.reap_within(1, Duration::from_millis(50)).is_none());
+    reap_all_once(&mut dst, &cids);
     dst.assert_no_panics();
+}
+
+#[test]
+fn test_nvme_migration_aborted_after_stop_copy_source_posts_what_it_held() {
+    let (mut src, cids) = full_cq_guest();
+    let mut dst = destination(&src, |c| c.io_threads = 0);
+    let opts = MigrateOptions {
+        pre_copy: false,
+        ..MigrateOptions::default()
+    };
+    let mut m = Migration::start(&mut src.vmm, &mut dst.vmm, &opts).unwrap();
+    m.stop_copy(&mut src.vmm, &mut dst.vmm).unwrap();
+    m.abort(&mut src.vmm, &mut dst.vmm).unwrap();
+    reap_all_once(&mut src, &cids);
+    src.assert_no_panics();
+}
+
+#[test]
+fn test_nvme_migration_stopped_ignores_cc_and_reset_while_stopped_runs_again() {
+    let mut g = Guest::migratable(None, |_| {});
+    g.bring_up(1, 16);
+    g.vmm.set_mig_state(MigState::Stop).unwrap();
+    g.set_reg32(regs::CC, 0);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        g.csts() & regs::CSTS_RDY,
+        regs::CSTS_RDY,
+        "no reset while stopped"
+    );
+    // A doorbell while stopped is stored and served at RUNNING.
+    let cid = g.submit(1, Guest::rw(false, 0, 1, DATA, 0));
+    assert!(
+        g.reap_within(1, Duration::from_millis(50)).is_none(),
+        "ran while stopped"
+    );
+    g.vmm.set_mig_state(MigState::Running).unwrap();
+    assert_eq!(g.reap(1).cid, cid);
+    // DEVICE_RESET while stopped: the controller is reset and runs (the guest enables it).
+    g.vmm.set_mig_state(MigState::Stop).unwrap();
+    g.vmm.reset().unwrap();
+    g.vmm.enable_device().unwrap();
+    g.bring_up(1, 16);
+    assert_eq!(
+        g.write_blocks(1, 0, DATA, &pattern(3, 4096)),
+        Status::SUCCESS
+    );
+    g.assert_no_panics();
 }
 
 #[test]

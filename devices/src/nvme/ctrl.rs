@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use umdev::dma::DmaHandle;
@@ -143,14 +144,19 @@ pub struct SqSlot {
 impl SqSlot {
     /// Stop the worker and wait for it (its current command finishes first).
     pub fn stop(&self) {
-        self.pause();
+        self.signal_stop();
+        self.join();
     }
 
-    /// Stop the worker and wait for it, its commands in the I/O pool included; the
-    /// completions it had not posted yet (a migration keeps them, a reset drops them).
-    pub fn pause(&self) -> VecDeque<Completion> {
+    /// Tell the worker to stop after its current command (no wait).
+    pub fn signal_stop(&self) {
         self.sq.stop.store(true, Ordering::SeqCst);
         let _ = self.wake.try_send(());
+    }
+
+    /// Wait for the stopped worker, its commands in the I/O pool included; the completions
+    /// it had not posted yet (a migration keeps them, a reset drops them).
+    pub fn join(&self) -> VecDeque<Completion> {
         match lock(&self.thread).take().map(JoinHandle::join) {
             Some(Ok(pending)) => pending,
             Some(Err(_)) => {
@@ -158,6 +164,25 @@ impl SqSlot {
                 VecDeque::new()
             }
             None => VecDeque::new(),
+        }
+    }
+
+    /// [`SqSlot::join`], unless the worker is still running at `deadline`: then `None`
+    /// (and the worker is left to finish).
+    pub fn join_by(&self, deadline: Instant) -> Option<VecDeque<Completion>> {
+        let mut nap = Duration::from_micros(20);
+        loop {
+            let finished = lock(&self.thread)
+                .as_ref()
+                .is_none_or(JoinHandle::is_finished);
+            if finished {
+                return Some(self.join());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
         }
     }
 }

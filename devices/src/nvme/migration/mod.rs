@@ -20,7 +20,9 @@
 //! for is done first), then stops every queue's worker, the admin queue's first (it is the
 //! only one that creates or deletes queues, or completes Asynchronous Event Requests). A
 //! worker stops between commands and waits for its commands in the I/O pool; their
-//! completions, and any it could not post, are kept with the queue ([`HeldSq`]). So when
+//! completions, and any it could not post, are kept with the queue ([`HeldSq`]); the I/O
+//! queues are told at once and waited for together, up to 30 s (a queue whose I/O does not
+//! finish by then fails the STOP: the migration fails and a reset recovers). So when
 //! STOP returns no command is in flight, nothing touches guest memory or raises an
 //! interrupt, and every command the controller fetched completes exactly once: posted
 //! before STOP, or held and posted first by whichever controller runs next (the
@@ -42,12 +44,12 @@ pub mod wire;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use umdev::migration::{encode_state, Migrate, MigrationError};
 
 use super::ctl::Ctl;
-use super::ctrl::{Aer, Features, Shared};
+use super::ctrl::{Aer, Features, Shared, SqSlot};
 use super::dbbuf::DbBuf;
 use super::queues::{lock, Cq, QueueParams, Sq};
 use super::spec::{Completion, Status};
@@ -79,10 +81,13 @@ pub(crate) struct Migration {
 
 impl Migration {
     /// A reset drops every queue, those held by a migration stop too (and a state loaded
-    /// before attach).
+    /// before attach), and leaves the controller running: the framework resumes a device
+    /// stopped for migration after its reset, and a STOP that failed leaves through a
+    /// reset only.
     pub(crate) fn reset(&mut self) {
         self.held.clear();
         self.pending = None;
+        self.stopped = false;
     }
 }
 
@@ -385,22 +390,55 @@ impl Migrate for Nvme {
             }
         }
         self.mig.stopped = true;
-        // The admin queue first: it is the only one that creates or deletes queues.
+        let deadline = Instant::now() + STOP_TIMEOUT;
         let mut held = Vec::new();
-        for q in 0..shared.sqs.len() as u16 {
-            let Some(slot) = shared.sq(q) else { continue };
-            let pending = slot.pause();
-            match shared.cq(slot.sq.cqid) {
-                Some(cq) => held.push(HeldSq {
-                    sq: slot.sq.clone(),
-                    cq,
-                    pending,
-                }),
-                None => tracing::error!(qid = q, "nvme: a submission queue without its CQ"),
+        let mut hold = |slot: &SqSlot, pending| match shared.cq(slot.sq.cqid) {
+            Some(cq) => held.push(HeldSq {
+                sq: slot.sq.clone(),
+                cq,
+                pending,
+            }),
+            None => tracing::error!(
+                qid = slot.sq.params.id,
+                "nvme: a submission queue without its CQ"
+            ),
+        };
+        // The admin queue first: it is the only one that creates or deletes queues. Then
+        // every I/O queue told at once, and waited for (their I/O in the pool overlaps).
+        let mut late = None;
+        if let Some(admin) = shared.sq(0) {
+            admin.signal_stop();
+            match admin.join_by(deadline) {
+                Some(pending) => hold(&admin, pending),
+                None => late = Some(0),
             }
         }
-        let pending: usize = held.iter().map(|h| h.pending.len()).sum();
+        let io: Vec<_> = (1..shared.sqs.len() as u16)
+            .filter_map(|q| shared.sq(q))
+            .collect();
+        if late.is_none() {
+            for slot in &io {
+                slot.signal_stop();
+            }
+            for slot in &io {
+                match slot.join_by(deadline) {
+                    Some(pending) => hold(slot, pending),
+                    None => {
+                        late = Some(slot.sq.params.id);
+                        break;
+                    }
+                }
+            }
+        }
         self.mig.held = held;
+        if let Some(qid) = late {
+            // The device cannot stop: the migration fails (ERROR) and only a reset, which
+            // drops every queue and waits for its worker, leaves it.
+            return Err(MigrationError::Device(format!(
+                "nvme: queue {qid}'s commands did not finish within {STOP_TIMEOUT:?}"
+            )));
+        }
+        let pending: usize = self.mig.held.iter().map(|h| h.pending.len()).sum();
         // What the source wrote must be on the shared image before the destination reads.
         self.flush()
             .map_err(|e| MigrationError::Device(format!("nvme: flushing the image: {e}")))?;
@@ -438,11 +476,15 @@ impl Migrate for Nvme {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "nvme: migration state refused; the controller is reset");
+                let stopped = self.mig.stopped;
                 self.reset_and_wait();
+                self.mig.stopped = stopped;
                 return Err(e);
             }
         };
+        let stopped = self.mig.stopped;
         self.reset_and_wait();
+        self.mig.stopped = stopped;
         match self.shared.clone() {
             Some(shared) => self.apply_state(&shared, &s),
             None => self.mig.pending = Some(s.clone()),
