@@ -245,6 +245,10 @@ impl Nvme {
 
     /// Everything [`Migrate::save`] saves, the device stopped.
     fn capture(&self) -> Result<NvmeStateV1, MigrationError> {
+        if let Some(p) = &self.mig.pending {
+            // Loaded before attach and not applied yet: it is the state.
+            return Ok(p.clone());
+        }
         let vectors = usize::from(self.limits.max_io_queues) + 1;
         let mut state = NvmeStateV1 {
             blocks: self.blocks,
@@ -266,10 +270,6 @@ impl Nvme {
             cqs: Vec::new(),
             sqs: Vec::new(),
         };
-        if let Some(p) = &self.mig.pending {
-            // Loaded before attach and not applied yet: it is the state.
-            return Ok(p.clone());
-        }
         let Some(s) = &self.shared else {
             return Ok(state);
         };
