@@ -660,6 +660,54 @@ fn test_migrate_ccw_named_image_keeps_registers_default_image_refused() {
     assert_eq!([a.snapshot(), b.snapshot()], before);
 }
 
+#[test]
+fn test_migrate_nvme_named_image_moves_default_image_refused() {
+    use umdev_devices::nvme::regs as nvme_regs;
+    let a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    let data = b"nvme data on the shared image";
+    for d in [&a, &b] {
+        let f = fs::File::create(d.state().join("nvme-images/disk.img")).unwrap();
+        f.set_len(256 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, data, 4096).unwrap();
+    }
+    a.ok(&[
+        "create",
+        "--type",
+        "nvme-256m",
+        "--uuid",
+        UUID,
+        "image=disk.img",
+    ]);
+    let mut vmm = Vmm::connect(&a.socket(UUID)).unwrap();
+    assert_eq!(vmm.read32(0, nvme_regs::VS).unwrap(), 0x0001_0400);
+    drop(vmm);
+    a.wait_detached(UUID);
+    let out = migrate(&a, &b, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(a.instance(UUID).is_none());
+    assert_eq!(b.instance(UUID).unwrap()["params"]["image"], "disk.img");
+    let mut vmm = Vmm::connect(&b.socket(UUID)).unwrap();
+    assert_eq!(vmm.read32(0, nvme_regs::VS).unwrap(), 0x0001_0400);
+    assert_eq!(vmm.read32(0, nvme_regs::CSTS).unwrap(), 0);
+    drop(vmm);
+
+    // Its default image stays behind in the source's directory: refused.
+    let other = "00000000-0000-4000-8000-0000000000c3";
+    a.ok(&["create", "--type", "nvme-256m", "--uuid", other]);
+    let before = [a.snapshot(), b.snapshot()];
+    let e = a.fail(&["migrate", other, "--to", b.control().to_str().unwrap()]);
+    assert!(
+        e.contains(&format!("image {other}.img")) && e.contains("image=NAME"),
+        "{e}"
+    );
+    assert_eq!([a.snapshot(), b.snapshot()], before);
+}
+
 /// A destination that answers `types`, takes a `migrate_load` and hangs up without an
 /// answer (as if it crashed in the step), then lists no instance and no definition: the CLI
 /// cannot tell what the load did, and has to look. Returns its socket and the ops it saw.

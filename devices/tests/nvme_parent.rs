@@ -297,3 +297,51 @@ fn test_nvme_parent_registry_create_serves_controller_remove_gives_budget_back()
     );
     assert!(!info.socket.exists());
 }
+
+#[test]
+fn test_nvme_parent_instance_migrates_between_registries_on_the_shared_image() {
+    umdev::testing::init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    // Two registries (two daemons), their parents on one image directory (shared storage).
+    let images = dir.path().join("images");
+    let src_parent = parent_in(&images, 16);
+    let dst_parent = parent_in(&images, 16);
+    let src = Registry::new(RegistryConfig::new(dir.path().join("src-sockets"))).unwrap();
+    let dst = Registry::new(RegistryConfig::new(dir.path().join("dst-sockets"))).unwrap();
+    src.add_parent(Arc::new(src_parent.clone())).unwrap();
+    dst.add_parent(Arc::new(dst_parent.clone())).unwrap();
+    let info = src.create("nvme/nvme-8m", None, &Params::new()).unwrap();
+    let image = src_parent.image_path(&format!("{}.img", info.uuid));
+    let data = pattern(7, 4096);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&image)
+        .unwrap()
+        .write_all_at(&data, 8192)
+        .unwrap();
+    let stream = src.save_state(&info.uuid).expect("nvme instances migrate");
+
+    // A type of another capacity and queue count refuses the state and takes nothing.
+    let e = dst
+        .create_with_state("nvme/nvme-4m", &info.uuid, &Params::new(), &stream)
+        .unwrap_err();
+    assert!(matches!(e, InstanceError::Migration { .. }), "{e}");
+    assert_eq!(dst_parent.budget_used_mib(), 0);
+
+    let moved = dst
+        .create_with_state("nvme/nvme-8m", &info.uuid, &Params::new(), &stream)
+        .unwrap();
+    assert_eq!(dst_parent.budget_used_mib(), 8);
+    assert_eq!(
+        dst_parent.image_path(&dst_parent.instances()[0].image),
+        image,
+        "the destination opened the source's image"
+    );
+    let mut vmm = Vmm::connect(&moved.socket).unwrap();
+    assert_eq!(vmm.read32(0, regs::VS).unwrap(), 0x0001_0400);
+    assert_eq!(vmm.read32(0, regs::CSTS).unwrap() & regs::CSTS_RDY, 0);
+    drop(vmm);
+    src.remove(&info.uuid, false).unwrap();
+    assert_eq!(image_bytes(&image, 8192, 4096).unwrap(), data);
+    dst.remove(&moved.uuid, false).unwrap();
+}

@@ -252,26 +252,26 @@ fn nvme_parent(args: &DaemonArgs, dirs: &DaemonDirs) -> Result<Arc<dyn Parent>, 
     ))
 }
 
-/// A ccw instance migrates only if it names its image: its default image is `<uuid>.img`
-/// in this daemon's image directory, which the state does not carry (the destination would
-/// start on an empty image).
-fn ccw_migration_check(info: &InstanceInfo) -> Result<(), ControlError> {
-    if info.parent != "ccw" || info.params.contains_key(PARAM_IMAGE) {
+/// A ccw or nvme instance migrates only if it names its image: its default image is
+/// `<uuid>.img` in this daemon's image directory, which the state does not carry (the
+/// destination would start on an empty image).
+fn image_migration_check(info: &InstanceInfo) -> Result<(), ControlError> {
+    if !matches!(info.parent.as_str(), "ccw" | "nvme") || info.params.contains_key(PARAM_IMAGE) {
         return Ok(());
     }
-    let uuid = &info.uuid;
+    let (uuid, parent) = (&info.uuid, &info.parent);
     Err(ControlError::new(
         ErrorKind::NotMigratable,
         format!(
-            "{uuid} keeps its data in the image {uuid}.img of this daemon's image \
+            "{uuid} keeps its data in the image {uuid}.img of this daemon's {parent} image \
              directory, which a migration does not carry"
         ),
     )
-    .hint(
-        "a ccw instance migrates when it names its image (`umdev create --type T \
+    .hint(format!(
+        "a {parent} instance migrates when it names its image (`umdev create --type T \
          image=NAME`) and the destination's image directory has that image (shared \
-         or copied while the instance is detached)",
-    ))
+         or copied while the instance is detached)"
+    )))
 }
 
 /// Entry point of `umdev daemon`.
@@ -304,7 +304,7 @@ pub fn run(args: DaemonArgs) -> CliResult {
         .parent_with(move |dirs| ccw_parent(&ccw_args, dirs))
         .parent_with(move |dirs| nvme_parent(&nvme_args, dirs))
         .parent_with(move |_| virtio_gpu_parent(&vgpu_args))
-        .migration_check(ccw_migration_check)
+        .migration_check(image_migration_check)
         .run()?;
     Ok(())
 }

@@ -5,7 +5,8 @@
 //! what the guest polls for (CAP.TO bounds the wait). Disabling stops and joins every
 //! queue worker (the admin queue first: it is the only one that creates queues), which drops every ring pin, and
 //! puts features and asynchronous events back to their reset values. A device reset
-//! (DEVICE_RESET, [`Ctl::Reset`]) does the same and tells the caller when it is done.
+//! (DEVICE_RESET, [`Ctl::Reset`]) does the same and tells the caller when it is done; a
+//! migration STOP sends [`Ctl::Sync`] to wait for what the guest asked before it.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub enum Ctl {
     Shutdown,
     /// Device reset: like Disable, then answer.
     Reset(Sender<()>),
+    /// Answer once everything sent before is done (a migration stop).
+    Sync(Sender<()>),
 }
 
 /// The thread's loop; ends when the device drops its sender.
@@ -48,6 +51,9 @@ pub fn run(shared: &Arc<Shared>, rx: &Receiver<Ctl>) {
             Ctl::Shutdown => shutdown(shared),
             Ctl::Reset(done) => {
                 disable(shared);
+                let _ = done.send(());
+            }
+            Ctl::Sync(done) => {
                 let _ = done.send(());
             }
         }

@@ -15,6 +15,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use umdev::dma::DmaHandle;
@@ -26,6 +27,7 @@ use super::namespace::Namespace;
 use super::pool::Job;
 use super::queues::{lock, Cq, Sq};
 use super::regs::CSTS_CFS;
+use super::spec::Completion;
 
 /// What the controller offers, fixed at construction.
 #[derive(Clone, Debug)]
@@ -112,7 +114,7 @@ pub const AEN_INVALID_DOORBELL: u32 = 0x01 << 16;
 /// Asynchronous event type Error, info Invalid Doorbell Write Value, log page Error.
 pub const AEN_INVALID_DOORBELL_VALUE: u32 = 0x01 << 16 | 0x01 << 8;
 /// Most events kept waiting.
-const MAX_EVENTS: usize = 16;
+pub(crate) const MAX_EVENTS: usize = 16;
 
 /// The SMART counters.
 #[derive(Debug, Default)]
@@ -136,18 +138,51 @@ pub struct SqSlot {
     /// Wakes the worker.
     pub wake: Sender<()>,
     /// The worker thread, joined when the queue is deleted.
-    pub thread: Mutex<Option<JoinHandle<()>>>,
+    pub thread: Mutex<Option<JoinHandle<VecDeque<Completion>>>>,
 }
 
 impl SqSlot {
     /// Stop the worker and wait for it (its current command finishes first).
     pub fn stop(&self) {
+        self.signal_stop();
+        self.join();
+    }
+
+    /// Tell the worker to stop after its current command (no wait).
+    pub fn signal_stop(&self) {
         self.sq.stop.store(true, Ordering::SeqCst);
         let _ = self.wake.try_send(());
-        if let Some(h) = lock(&self.thread).take() {
-            if h.join().is_err() {
+    }
+
+    /// Wait for the stopped worker, its commands in the I/O pool included; the completions
+    /// it had not posted yet (a migration keeps them, a reset drops them).
+    pub fn join(&self) -> VecDeque<Completion> {
+        match lock(&self.thread).take().map(JoinHandle::join) {
+            Some(Ok(pending)) => pending,
+            Some(Err(_)) => {
                 tracing::error!(qid = self.sq.params.id, "nvme: queue worker panicked");
+                VecDeque::new()
             }
+            None => VecDeque::new(),
+        }
+    }
+
+    /// [`SqSlot::join`], unless the worker is still running at `deadline`: then `None`
+    /// (and the worker is left to finish).
+    pub fn join_by(&self, deadline: Instant) -> Option<VecDeque<Completion>> {
+        let mut nap = Duration::from_micros(20);
+        loop {
+            let finished = lock(&self.thread)
+                .as_ref()
+                .is_none_or(JoinHandle::is_finished);
+            if finished {
+                return Some(self.join());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
         }
     }
 }

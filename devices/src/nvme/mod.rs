@@ -21,6 +21,11 @@
 //! the controller cannot reach for its queues is Controller Fatal Status. Nothing the
 //! guest does panics the device or leaves a page pinned once its memory is unmapped.
 //!
+//! The controller migrates ([`migration`]): STOP waits for the commands in flight and holds
+//! every queue with the completions it has not posted; the state (registers, features,
+//! queues, outstanding Asynchronous Event Requests, shadow doorbells) moves, the image is
+//! shared storage.
+//!
 //! Formats and behaviour for guest authors: `protocol-docs/devices/nvme.md`.
 
 pub mod admin;
@@ -30,6 +35,7 @@ pub mod data;
 pub mod dbbuf;
 pub mod identify;
 pub mod io;
+pub mod migration;
 pub mod namespace;
 pub mod parent;
 pub mod pool;
@@ -137,6 +143,8 @@ pub struct Nvme {
     blocks: u64,
     io_threads: usize,
     pool_threads: Vec<JoinHandle<()>>,
+    /// Live migration: stopped or not, the queues held while stopped (`migration/`).
+    mig: migration::Migration,
     /// What the parent lent (the image and its share of the budget); the last field, so
     /// it is given back after everything else is dropped.
     lease: Option<parent::ImageLease>,
@@ -189,6 +197,7 @@ impl Nvme {
             aqa: 0,
             asq: 0,
             acq: 0,
+            mig: migration::Migration::default(),
             lease: None,
         }
     }
@@ -278,6 +287,15 @@ impl Nvme {
     }
 
     fn write_cc(&mut self, value: u32) {
+        if self.mig.stopped {
+            // No enable, reset or shutdown between STOP and RUNNING (the VMM does not run
+            // the guest then): the controller's state must not change.
+            tracing::warn!(
+                value,
+                "nvme: CC written while stopped for migration: ignored"
+            );
+            return;
+        }
         let (old, new) = (Cc(self.cc), Cc(value));
         self.cc = value;
         if !old.en() && new.en() {
@@ -368,6 +386,8 @@ impl Nvme {
 
     /// Reset the controller and wait for it (device reset, disconnect).
     fn reset_and_wait(&mut self) {
+        // A reset drops every queue, those held by a migration stop too.
+        self.mig.reset();
         self.cc = 0;
         self.aqa = 0;
         self.asq = 0;
@@ -467,6 +487,7 @@ impl PciDevice for Nvme {
             }
             Err(e) => tracing::error!(error = %e, "nvme: cannot spawn the controller thread"),
         }
+        self.apply_pending(&shared);
         self.shared = Some(shared);
     }
 
@@ -481,6 +502,10 @@ impl PciDevice for Nvme {
         if let Some(s) = &self.shared {
             s.release_in(iova, size);
         }
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn umdev::migration::Migrate> {
+        Some(self)
     }
 
     fn disconnected(&mut self) {

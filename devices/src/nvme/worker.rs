@@ -90,6 +90,17 @@ pub fn send_data(shared: &Shared, sq: &Sq, cmd: &Command, data: &[u8]) -> Status
 
 /// Start the worker of `sq`, completing on `cq`.
 pub fn spawn(shared: Arc<Shared>, sq: Arc<Sq>, cq: Arc<Cq>) -> io::Result<Arc<SqSlot>> {
+    spawn_with(shared, sq, cq, VecDeque::new())
+}
+
+/// Start the worker of `sq` with `pending`, completions of commands it ran before a
+/// migration stop that are not posted yet (posted first, in order).
+pub fn spawn_with(
+    shared: Arc<Shared>,
+    sq: Arc<Sq>,
+    cq: Arc<Cq>,
+    pending: VecDeque<Completion>,
+) -> io::Result<Arc<SqSlot>> {
     let (tx, rx) = crossbeam_channel::bounded(1);
     {
         let mut waiters = lock(&cq.waiters);
@@ -104,7 +115,7 @@ pub fn spawn(shared: Arc<Shared>, sq: Arc<Sq>, cq: Arc<Cq>) -> io::Result<Arc<Sq
     let s = sq.clone();
     let h = std::thread::Builder::new()
         .name(format!("nvme-sq{}", sq.params.id))
-        .spawn(move || run(&shared, &s, &cq, &rx))?;
+        .spawn(move || run(&shared, &s, &cq, &rx, pending))?;
     Ok(Arc::new(SqSlot {
         sq,
         wake: tx,
@@ -159,10 +170,18 @@ impl Drop for Reply {
     }
 }
 
-fn run(shared: &Arc<Shared>, sq: &Arc<Sq>, cq: &Cq, wake: &Receiver<()>) {
+/// The worker's loop, until its queue is stopped; returns the completions not posted yet
+/// (the pool's commands of the queue all back: none is in flight when it returns).
+fn run(
+    shared: &Arc<Shared>,
+    sq: &Arc<Sq>,
+    cq: &Cq,
+    wake: &Receiver<()>,
+    pending: VecDeque<Completion>,
+) -> VecDeque<Completion> {
     let (done_tx, done_rx) = crossbeam_channel::unbounded();
     let mut f = Flights {
-        ready: VecDeque::new(),
+        ready: pending,
         in_flight: 0,
         done_tx,
         done_rx,
@@ -183,9 +202,16 @@ fn run(shared: &Arc<Shared>, sq: &Arc<Sq>, cq: &Cq, wake: &Receiver<()>) {
         }
     }
     // The pool's commands of this queue hold pins and touch guest memory: wait for them.
-    while f.in_flight > 0 && f.done_rx.recv().is_ok() {
-        f.in_flight -= 1;
+    while f.in_flight > 0 {
+        match f.done_rx.recv() {
+            Ok(c) => {
+                f.in_flight -= 1;
+                f.ready.push_back(c);
+            }
+            Err(_) => break,
+        }
     }
+    f.ready
 }
 
 /// With shadow doorbells: ask the guest to ring when it publishes more (the SQ tail past

@@ -153,6 +153,46 @@ impl Guest {
         }
     }
 
+    /// A guest on a controller on `image` (a fresh `NS_BYTES` image if `None`), tuned by
+    /// `tune`, its VMM connected with migration capabilities and memfd RAM (what
+    /// `umdev::testing::migrate` moves).
+    pub fn migratable(image: Option<PathBuf>, tune: impl FnOnce(&mut NvmeConfig)) -> Guest {
+        umdev::testing::init_logs();
+        let (dev, dir, image) = match image {
+            None => controller(tune),
+            Some(image) => {
+                let mut cfg = NvmeConfig::new(&image);
+                tune(&mut cfg);
+                (Nvme::new(cfg).unwrap(), tempfile::tempdir().unwrap(), image)
+            }
+        };
+        let server = TestServer::builder_pci(dev).unwrap().start().unwrap();
+        let mut vmm = Vmm::connect_with_caps(server.path(), umdev::testing::MIGRATION_CAPS)
+            .unwrap()
+            .with_ram(RAM, RAM_SIZE as usize)
+            .unwrap();
+        vmm.enable_device().unwrap();
+        Guest {
+            server,
+            vmm,
+            image,
+            fdless: false,
+            queues: Vec::new(),
+            dbbuf: None,
+            mmio_doorbells: (0, 0),
+            cid: 0,
+            _dir: dir,
+        }
+    }
+
+    /// Take over the driver state of `src` (its queues' positions, the doorbell buffer,
+    /// the next command id): the guest moved here.
+    pub fn adopt_driver(&mut self, src: &Guest) {
+        self.queues = src.queues.clone();
+        self.dbbuf = src.dbbuf;
+        self.cid = src.cid;
+    }
+
     // --- guest memory ---
 
     pub fn mem_write(&mut self, gpa: u64, data: &[u8]) {
