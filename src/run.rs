@@ -81,6 +81,10 @@ pub struct RunArgs {
     /// traps to this process.
     #[arg(long)]
     pub no_shadow_doorbells: bool,
+    /// NVMe: the controller's serial number (ASCII, at most 20 characters) [default: one
+    /// derived from the image file, so two controllers of one guest never share one].
+    #[arg(long, value_name = "SERIAL", value_parser = parse_serial)]
+    pub serial: Option<String>,
     /// NVMe: read and write the image with O_DIRECT where a transfer is 4 KiB aligned
     /// (bypassing the host's page cache; others go through it). The image's file system
     /// must support O_DIRECT (tmpfs only from Linux 6.6).
@@ -225,9 +229,22 @@ pub fn build_device(kind: DeviceKind, args: &RunArgs) -> Result<Built, Box<dyn s
             cfg.shadow_doorbells = !args.no_shadow_doorbells;
             cfg.io_threads = usize::from(args.io_threads);
             cfg.direct = args.direct;
+            if let Some(serial) = &args.serial {
+                cfg.serial = serial.clone();
+            }
             (Box::new(PciAdapter::new(Nvme::new(cfg)?)?), None)
         }
     })
+}
+
+/// An NVMe serial number: printable ASCII, 1 to 20 characters (Identify Controller's SN).
+fn parse_serial(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 20 || !s.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "'{s}': a serial number is 1 to 20 printable ASCII characters without spaces"
+        ));
+    }
+    Ok(s.to_string())
 }
 
 /// Entry point.

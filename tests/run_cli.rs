@@ -146,4 +146,43 @@ fn test_run_nvme_without_image_or_size_explains() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("suffix"));
+    let out = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["run", "nvme", "--socket", "/tmp/x.sock", "--size", "1M"])
+        .args(["--serial", "has space"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("printable ASCII"));
+}
+
+/// Two controllers on two images log two serial numbers (a guest with both must never see
+/// one subsystem), each stable for its image; `--serial` overrides.
+#[test]
+fn test_run_nvme_serial_differs_per_image_and_follows_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let serial_of = |image: &str, extra: &[&str]| {
+        let sock = dir.path().join(format!("{image}.sock"));
+        let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
+            .args(["run", "nvme", "--size", "1M", "--image"])
+            .arg(dir.path().join(image))
+            .arg("--socket")
+            .arg(&sock)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for(&sock);
+        // SAFETY: sending SIGINT to our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+        let out = child.wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        let at = log.find("serial=").expect(&log) + "serial=".len();
+        log[at..].split_whitespace().next().unwrap().to_string()
+    };
+    let a = serial_of("a.img", &[]);
+    let b = serial_of("b.img", &[]);
+    assert_ne!(a, b);
+    assert!(a.starts_with("UMDEV"), "{a}");
+    assert_eq!(serial_of("a.img", &[]), a);
+    assert_eq!(serial_of("a.img", &["--serial", "MYDISK7"]), "MYDISK7");
 }

@@ -150,9 +150,9 @@ const PLANS: &[Plan] = &[
     },
     Plan {
         name: "nvme-bench",
-        what: "umdev's NVMe beside QEMU's own -device nvme in one guest (images on tmpfs): \
-               IOPS, MB/s and host CPU per I/O, side by side",
-        servers: Servers::Processes(&[Kind::Nvme]),
+        what: "umdev's NVMe (shadow doorbells, and every doorbell trapped) beside QEMU's own \
+               -device nvme in one guest (images on tmpfs): IOPS, MB/s, host CPU per I/O",
+        servers: Servers::Processes(&[Kind::Nvme, Kind::NvmeTrapped]),
         scenarios: &["nvme-bench"],
         builtin: &["nvme,serial=qemu-nvme,drive=qnvme"],
         qemu_nvme: true,

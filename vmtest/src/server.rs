@@ -21,6 +21,9 @@ pub enum Kind {
     Hello,
     /// `umdev run nvme` with a fresh 64 MiB image.
     Nvme,
+    /// `umdev run nvme --no-shadow-doorbells --serial UMDEVTRAPPED` with a fresh 64 MiB
+    /// image: every doorbell traps (the other doorbell mode, measured by `nvme-bench`).
+    NvmeTrapped,
     /// `umdev run virtio-gpu --screenshot-on-exit <dir>/virtio-gpu.png`.
     VirtioGpu,
 }
@@ -33,6 +36,7 @@ impl Kind {
             Kind::Ccw => "ccw",
             Kind::Hello => "hello",
             Kind::Nvme => "nvme",
+            Kind::NvmeTrapped => "nvme-trapped",
             Kind::VirtioGpu => "virtio-gpu",
         }
     }
@@ -42,6 +46,9 @@ impl Kind {
 pub fn ccw_image(dir: &Path) -> PathBuf {
     dir.join("ccw.img")
 }
+
+/// The serial of the [`Kind::NvmeTrapped`] controller (how the guest tells it apart).
+pub const TRAPPED_SERIAL: &str = "UMDEVTRAPPED";
 
 /// The NVMe server's image in a guest run's directory.
 pub fn nvme_image(dir: &Path) -> PathBuf {
@@ -112,6 +119,15 @@ impl Server {
                     .arg(&socket)
                     .arg("--image")
                     .arg(nvme_image(dir));
+                c
+            }
+            Kind::NvmeTrapped => {
+                let mut c = Command::new(&bins.umdev);
+                c.args(["run", "nvme", "--size", "64M", "--socket"])
+                    .arg(&socket)
+                    .arg("--image")
+                    .arg(dir.join("nvme-trapped.img"))
+                    .args(["--no-shadow-doorbells", "--serial", TRAPPED_SERIAL]);
                 c
             }
             Kind::Hello => {

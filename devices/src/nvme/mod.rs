@@ -91,7 +91,11 @@ pub struct NvmeConfig {
     pub max_queue_entries: u32,
     /// MDTS: the largest transfer is 2^mdts pages (1..=8).
     pub mdts: u8,
-    /// Serial number.
+    /// Serial number (ASCII, at most 20 characters). Empty (the default): one derived
+    /// from the image file's device and inode, `UMDEV` and 15 hex digits, the same on
+    /// every start. Two controllers of one guest must never share a serial: Linux groups
+    /// controllers by subsystem NQN, which holds it, and would take two namespaces with
+    /// equal identifiers for two paths to one disk.
     pub serial: String,
     /// Offer shadow doorbells (Doorbell Buffer Config, OACS bit 8): the guest then traps
     /// only to wake a sleeping queue worker.
@@ -115,7 +119,7 @@ impl NvmeConfig {
             max_io_queues: 4,
             max_queue_entries: 1024,
             mdts: 6,
-            serial: "UMDEV0001".into(),
+            serial: String::new(),
             shadow_doorbells: true,
             io_threads: 4,
             direct: false,
@@ -171,11 +175,15 @@ impl Nvme {
         Ok(Nvme::with_namespace(config, ns))
     }
 
-    fn with_namespace(config: NvmeConfig, ns: Namespace) -> Nvme {
+    fn with_namespace(mut config: NvmeConfig, ns: Namespace) -> Nvme {
+        if config.serial.is_empty() {
+            config.serial = ns.serial();
+        }
         tracing::info!(
             image = %config.image.display(),
             blocks = ns.blocks(),
             direct = ns.is_direct(),
+            serial = %config.serial,
             "nvme: image opened"
         );
         Nvme {

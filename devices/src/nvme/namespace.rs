@@ -168,6 +168,28 @@ impl Namespace {
         Ok(())
     }
 
+    /// A serial number for this image: `UMDEV` and 15 hex digits of a hash of the file's
+    /// device and inode (the same image, the same serial; two images, two serials).
+    pub fn serial(&self) -> String {
+        use std::os::unix::fs::MetadataExt;
+        let (dev, ino) = self
+            .file
+            .metadata()
+            .map(|m| (m.dev(), m.ino()))
+            .unwrap_or((0, 0));
+        // FNV-1a over both numbers: stable across runs and builds (std's hasher is not).
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in dev.to_le_bytes().into_iter().chain(ino.to_le_bytes()) {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("UMDEV{:015X}", h >> 4)
+    }
+
+    /// The image file, opened for buffered I/O.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
     /// True if aligned transfers bypass the host's page cache.
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
@@ -270,6 +292,40 @@ mod tests {
             Namespace::open(&dir.path().join("none"), None),
             Err(ImageError::Open { .. })
         ));
+    }
+
+    #[test]
+    fn test_serial_is_per_image_stable_and_fits_identify() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+        let sa = Namespace::open(&a, Some(4096)).unwrap().serial();
+        let sb = Namespace::open(&b, Some(4096)).unwrap().serial();
+        assert_ne!(sa, sb, "two images, two serials");
+        assert_eq!(Namespace::open(&a, None).unwrap().serial(), sa);
+        assert_eq!(sa.len(), 20);
+        assert!(sa.starts_with("UMDEV") && sa.is_ascii());
+    }
+
+    #[test]
+    fn test_direct_descriptor_only_for_aligned_transfers() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.img");
+        let mut ns = Namespace::open(&p, Some(1 << 20)).unwrap();
+        // Without O_DIRECT every transfer uses the buffered descriptor.
+        let buffered = ns.file().as_raw_fd();
+        assert_eq!(ns.file_for(0, 4096, 0).as_raw_fd(), buffered);
+        match ns.enable_direct(&p) {
+            // The temporary directory's file system may refuse O_DIRECT (tmpfs < 6.6).
+            Err(ImageError::Direct { .. }) => return,
+            Err(e) => panic!("{e}"),
+            Ok(()) => {}
+        }
+        assert!(ns.is_direct());
+        let direct = ns.file_for(8192, 8192, 0).as_raw_fd();
+        assert_ne!(direct, buffered);
+        assert_eq!(ns.file_for(512, 4096, 0).as_raw_fd(), buffered);
+        assert_eq!(ns.file_for(4096, 512, 0).as_raw_fd(), buffered);
+        assert_eq!(ns.file_for(4096, 4096, 0x200).as_raw_fd(), buffered);
     }
 
     #[test]
