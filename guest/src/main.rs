@@ -7,6 +7,7 @@
 //! format of [`report`]; the exit status is 0 only if every check passed.
 
 mod ccw;
+mod drm;
 mod gpu;
 mod gpu_dma;
 mod gpu_kit;
@@ -114,6 +115,21 @@ const SCENARIOS: &[Scenario] = &[
         "virtio-gpu",
         "umdev's virtio-gpu under the stock virtio_gpu driver: bound, fb0, a pattern written",
         virtio_gpu::run,
+    ),
+    (
+        "virtio-gpu-kms",
+        "virtio-gpu under the stock driver's KMS: dumb buffers, a mode set, a page flip",
+        virtio_gpu::run_kms,
+    ),
+    (
+        "virtio-gpu-bme",
+        "virtio-gpu with Bus Master cleared: nothing drawn, DEVICE_NEEDS_RESET",
+        virtio_gpu::run_bme,
+    ),
+    (
+        "virtio-gpu-bench",
+        "1080p frames/s via KMS: umdev's virtio-gpu against QEMU's virtio-gpu-pci",
+        virtio_gpu::run_bench,
     ),
     (
         "gpu-viommu",

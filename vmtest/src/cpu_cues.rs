@@ -1,6 +1,6 @@
 //! Host CPU time per guest phase: a guest scenario frames each phase with
 //! `UMDEV-READY <scenario> begin:<disk>:<load>` and `end:<disk>:<load>:<ios>` cues
-//! (`guest/src/nvme_bench.rs`); at each cue this samples the CPU time (user + system, all
+//! (`guest/src/nvme_bench.rs`; the virtio-gpu bench's "I/Os" are frames); at each cue this samples the CPU time (user + system, all
 //! threads) of QEMU and of the umdev servers, and at the end reports per `<disk>.<load>`:
 //!
 //! - `host_cpu_us_per_io`: QEMU's and the servers' CPU together per I/O — what the host
@@ -69,17 +69,23 @@ struct Sum {
     servers: f64,
 }
 
-/// Collect the console lines of `scenario` until the sender goes; `servers` are the umdev
-/// server pids. Returns the measures described in the module doc.
-pub fn collect(rx: Receiver<(Duration, String)>, scenario: &str, servers: &[u32]) -> Vec<Measure> {
-    let prefix = format!("UMDEV-READY {scenario} ");
+/// Collect the cues of every scenario from the console lines until the sender goes;
+/// `servers` are the umdev server pids. Returns the measures described in the module doc,
+/// each under the scenario whose cues framed it.
+pub fn collect(rx: Receiver<(Duration, String)>, servers: &[u32]) -> Vec<Measure> {
     let mut qemu = None;
-    let mut open: BTreeMap<String, Sample> = BTreeMap::new();
-    let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
+    let mut open: BTreeMap<(String, String), Sample> = BTreeMap::new();
+    let mut sums: BTreeMap<(String, String), Sum> = BTreeMap::new();
     for (_, line) in rx {
-        let Some(cue) = line.trim().strip_prefix(&prefix) else {
+        let Some(rest) = line.trim().strip_prefix("UMDEV-READY ") else {
             continue;
         };
+        let Some((scenario, cue)) = rest.split_once(' ') else {
+            continue;
+        };
+        if !cue.starts_with("begin:") && !cue.starts_with("end:") {
+            continue;
+        }
         if qemu.is_none() {
             qemu = qemu_pid();
         }
@@ -91,10 +97,10 @@ pub fn collect(rx: Receiver<(Duration, String)>, scenario: &str, servers: &[u32]
         let parts: Vec<&str> = cue.split(':').collect();
         match parts.as_slice() {
             ["begin", disk, load] => {
-                open.insert(format!("{disk}.{load}"), sample);
+                open.insert((scenario.to_string(), format!("{disk}.{load}")), sample);
             }
             ["end", disk, load, ios] => {
-                let key = format!("{disk}.{load}");
+                let key = (scenario.to_string(), format!("{disk}.{load}"));
                 let (Some(b), Ok(ios)) = (open.remove(&key), ios.parse::<u64>()) else {
                     continue;
                 };
@@ -108,15 +114,15 @@ pub fn collect(rx: Receiver<(Duration, String)>, scenario: &str, servers: &[u32]
         }
     }
     let mut out = Vec::new();
-    let mut m = |name: String, value: f64, unit: &str| {
-        out.push(Measure {
-            scenario: scenario.to_string(),
-            name,
-            value,
-            unit: unit.to_string(),
-        })
-    };
-    for (key, s) in &sums {
+    for ((scenario, key), s) in &sums {
+        let mut m = |name: String, value: f64, unit: &str| {
+            out.push(Measure {
+                scenario: scenario.clone(),
+                name,
+                value,
+                unit: unit.to_string(),
+            })
+        };
         if s.ios == 0 {
             m(
                 format!("{key}.umdev_cpu_pct"),
@@ -162,23 +168,30 @@ mod tests {
             "UMDEV-READY b begin:umdev:idle",
             "UMDEV-READY b end:umdev:idle:0",
             "UMDEV-READY other begin:x:y",
+            "UMDEV-READY other end:x:y:4",
+            "UMDEV-READY other kms-flipped",
         ] {
             tx.send((Duration::ZERO, line.to_string())).unwrap();
         }
         drop(tx);
-        let got = collect(rx, "b", &[me]);
-        let names: Vec<&str> = got.iter().map(|m| m.name.as_str()).collect();
-        // An end without its begin (qemu.seq) is dropped; idle gets percentages.
+        let got = collect(rx, &[me]);
+        let names: Vec<(&str, &str)> = got
+            .iter()
+            .map(|m| (m.scenario.as_str(), m.name.as_str()))
+            .collect();
+        // An end without its begin (qemu.seq) is dropped; idle gets percentages; other
+        // cues are not phases.
         assert_eq!(
             names,
             [
-                "umdev.idle.umdev_cpu_pct",
-                "umdev.idle.qemu_cpu_pct",
-                "umdev.seq.host_cpu_us_per_io",
-                "umdev.seq.umdev_cpu_us_per_io",
+                ("b", "umdev.idle.umdev_cpu_pct"),
+                ("b", "umdev.idle.qemu_cpu_pct"),
+                ("b", "umdev.seq.host_cpu_us_per_io"),
+                ("b", "umdev.seq.umdev_cpu_us_per_io"),
+                ("other", "x.y.host_cpu_us_per_io"),
+                ("other", "x.y.umdev_cpu_us_per_io"),
             ]
         );
-        assert!(got.iter().all(|m| m.scenario == "b"));
         // This process's own CPU time is a real, non-negative number.
         assert!(got[3].value >= 0.0 && got[3].value.is_finite());
     }

@@ -170,11 +170,30 @@ const PLANS: &[Plan] = &[
     },
     Plan {
         name: "virtio-gpu",
-        what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: fb0, a pattern \
-               the host screenshot must hold pixel for pixel",
+        what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: KMS page flip, \
+               fb0, a pattern the host screenshot must hold pixel for pixel, Bus Master cleared",
         servers: Servers::Processes(&[Kind::VirtioGpu]),
-        scenarios: &["virtio-gpu"],
+        scenarios: &["virtio-gpu-kms", "virtio-gpu", "virtio-gpu-bme"],
         host_checks: Some(virtio_gpu_checks),
+        ..BASE
+    },
+    Plan {
+        name: "virtio-gpu-viommu",
+        what: "umdev's virtio-gpu behind intel-iommu: the driver's DMA API maps every \
+               buffer it hands the device",
+        viommu: true,
+        servers: Servers::Processes(&[Kind::VirtioGpu]),
+        scenarios: &["virtio-gpu-kms", "virtio-gpu"],
+        host_checks: Some(virtio_gpu_checks),
+        ..BASE
+    },
+    Plan {
+        name: "virtio-gpu-bench",
+        what: "1080p frames/s through KMS: umdev's virtio-gpu beside QEMU's own \
+               virtio-gpu-pci in one guest, host CPU per frame",
+        servers: Servers::Processes(&[Kind::VirtioGpuHd]),
+        scenarios: &["virtio-gpu-bench"],
+        builtin: &["virtio-gpu-pci,xres=1920,yres=1080"],
         ..BASE
     },
     Plan {
@@ -342,6 +361,8 @@ nvme-plain  the same on plain RAM (DMA_READ/DMA_WRITE)\n  \
 nvme-viommu the same behind intel-iommu\n  \
 nvme-reboot a guest reboot with NVMe writes in flight\n  \
 nvme-bench  umdev's NVMe beside QEMU's own -device nvme: IOPS, MB/s, host CPU per I/O\n  \
+virtio-gpu-viommu  umdev's virtio-gpu behind intel-iommu\n  \
+virtio-gpu-bench   1080p frames/s, umdev's virtio-gpu beside QEMU's virtio-gpu-pci\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
 virtio-gpu  umdev's virtio-gpu under the stock virtio_gpu driver; the screenshot holds\n           \
 the pattern the guest wrote to /dev/fb0\n  \
@@ -676,7 +697,7 @@ fn run_processes(
     let (tx, rx) = mpsc::channel();
     vm.watch = Some(tx);
     let (run, cpu) = std::thread::scope(|s| {
-        let sampler = s.spawn(|| cpu_cues::collect(rx, "nvme-bench", &pids));
+        let sampler = s.spawn(|| cpu_cues::collect(rx, &pids));
         let run = vm.run();
         drop(vm);
         (run, sampler.join().unwrap_or_default())

@@ -26,6 +26,8 @@ pub enum Kind {
     NvmeTrapped,
     /// `umdev run virtio-gpu --screenshot-on-exit <dir>/virtio-gpu.png`.
     VirtioGpu,
+    /// `umdev run virtio-gpu --width 1920 --height 1080 --gpu-memory-mib 128` (the bench).
+    VirtioGpuHd,
 }
 
 impl Kind {
@@ -38,6 +40,7 @@ impl Kind {
             Kind::Nvme => "nvme",
             Kind::NvmeTrapped => "nvme-trapped",
             Kind::VirtioGpu => "virtio-gpu",
+            Kind::VirtioGpuHd => "virtio-gpu-hd",
         }
     }
 }
@@ -101,6 +104,19 @@ impl Server {
                 let mut c = Command::new(&bins.umdev);
                 c.args(["run", "virtio-gpu", "--socket"]).arg(&socket);
                 c.arg("--screenshot-on-exit").arg(screenshot(dir));
+                c
+            }
+            Kind::VirtioGpuHd => {
+                let mut c = Command::new(&bins.umdev);
+                c.args(["run", "virtio-gpu", "--socket"]).arg(&socket);
+                c.args([
+                    "--width",
+                    "1920",
+                    "--height",
+                    "1080",
+                    "--gpu-memory-mib",
+                    "128",
+                ]);
                 c
             }
             Kind::Gpu | Kind::Ccw => {

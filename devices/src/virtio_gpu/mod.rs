@@ -57,6 +57,12 @@ pub fn test_pattern(x: u32, y: u32) -> u32 {
     ((x.wrapping_mul(3) & 0xff) << 16) | ((y.wrapping_mul(5) & 0xff) << 8) | ((x ^ y) & 0xff)
 }
 
+/// The second test pattern (the real-VMM suite's KMS page flip shows it): `test_pattern`
+/// with red and blue inverted.
+pub fn test_pattern_flipped(x: u32, y: u32) -> u32 {
+    test_pattern(x, y) ^ 0x00ff_00ff
+}
+
 /// How a virtio-gpu instance is set up.
 #[derive(Clone, Debug)]
 pub struct VirtioGpuConfig {
