@@ -239,6 +239,31 @@ find_qemu() {
 
 # The guest: Debian stable's newest 6.1 kernel (unsigned image) and busybox-static, unpacked
 # with dpkg -x (nothing installed on the host).
+# The guest's kernel modules, shared by find_guest and add_guest_modules: MODDIR is the
+# unpacked package's lib/modules/KVER/kernel, ORDER the load order so far (dependencies
+# first). The .deb has no modules.dep and the host may have no depmod: each module's own
+# "depends=" entry in its .modinfo strings names what it needs.
+MODDIR= KVER= ORDER=()
+
+# Module name (- and _ are the same) -> its path under MODDIR.
+module_file() {
+    local pat="${1//[-_]/[-_]}"
+    find "$MODDIR" -regex ".*/$pat\.ko" | head -n1
+}
+
+# Copy module $1 into the guest directory after what it depends on, appending to ORDER.
+add_module() {
+    local name="${1//-/_}" seen f dep
+    for seen in "${ORDER[@]}"; do [ "$seen" = "$name" ] && return 0; done
+    f=$(module_file "$1")
+    [ -n "$f" ] || die "module $1 is not in the $KVER package"
+    for dep in $(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr , ' '); do
+        add_module "$dep"
+    done
+    ORDER+=("$name")
+    cp "$f" "$GUEST_DIR/modules/$name.ko"
+}
+
 find_guest() {
     if [ -f "$GUEST_DIR/vmlinuz" ] && [ -x "$GUEST_DIR/busybox" ] && [ -d "$GUEST_DIR/modules" ]; then
         # A guest unpacked before a module was listed: add it.
@@ -266,28 +291,12 @@ find_guest() {
     rm -rf "$GUEST_DIR"; mkdir -p "$GUEST_DIR"
     cp "$work/root/boot/vmlinuz-$kver" "$GUEST_DIR/vmlinuz"
     cp "$work/root/bin/busybox" "$GUEST_DIR/busybox"
-    # Only the modules the suite loads and what they depend on, in load order (modules/order
-    # lists them dependencies first). The .deb has no modules.dep and the host may have no
-    # depmod: read each module's own "depends=" entry from its .modinfo strings.
+    # Only the modules the suite loads and what they depend on, in load order (add_module).
     mkdir -p "$GUEST_DIR/modules"
-    local moddir="$work/root/lib/modules/$kver/kernel" order=() m
-    module_file() { # module name (- and _ are the same) -> path
-        local pat="${1//[-_]/[-_]}"
-        find "$moddir" -regex ".*/$pat\.ko" | head -n1
-    }
-    add_module() {
-        local name="${1//-/_}" seen f dep
-        for seen in "${order[@]}"; do [ "$seen" = "$name" ] && return 0; done
-        f=$(module_file "$1")
-        [ -n "$f" ] || die "module $1 is not in the $kver package"
-        for dep in $(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr , ' '); do
-            add_module "$dep"
-        done
-        order+=("$name")
-        cp "$f" "$GUEST_DIR/modules/$name.ko"
-    }
+    local m
+    MODDIR="$work/root/lib/modules/$kver/kernel" KVER=$kver ORDER=()
     for m in uio_pci_generic vfio_pci vfio_iommu_type1 $GUEST_EXTRA_MODULES; do add_module "$m"; done
-    printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order"
+    printf '%s\n' "${ORDER[@]}" >"$GUEST_DIR/modules/order"
     printf '%s\n' "$kver" >"$GUEST_DIR/kernel-version"
     rm -rf "$work"
     say "guest kernel $kver and busybox in $GUEST_DIR"
@@ -311,25 +320,10 @@ add_guest_modules() {
     (cd "$work" && apt-get -o APT::Sandbox::User=root download -q "linux-image-$kver-unsigned" >&2) \
         || die "cannot download linux-image-$kver-unsigned for the modules $*"
     dpkg -x "$work"/*.deb "$work/root"
-    local moddir="$work/root/lib/modules/$kver/kernel" order=()
-    mapfile -t order <"$GUEST_DIR/modules/order"
-    module_file() {
-        local pat="${1//[-_]/[-_]}"
-        find "$moddir" -regex ".*/$pat\.ko" | head -n1
-    }
-    add_module() {
-        local name="${1//-/_}" seen f dep
-        for seen in "${order[@]}"; do [ "$seen" = "$name" ] && return 0; done
-        f=$(module_file "$1")
-        [ -n "$f" ] || die "module $1 is not in the $kver package"
-        for dep in $(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr , ' '); do
-            add_module "$dep"
-        done
-        order+=("$name")
-        cp "$f" "$GUEST_DIR/modules/$name.ko"
-    }
+    MODDIR="$work/root/lib/modules/$kver/kernel" KVER=$kver
+    mapfile -t ORDER <"$GUEST_DIR/modules/order"
     for m in "$@"; do add_module "$m"; done
-    printf '%s\n' "${order[@]}" >"$GUEST_DIR/modules/order.new"
+    printf '%s\n' "${ORDER[@]}" >"$GUEST_DIR/modules/order.new"
     mv "$GUEST_DIR/modules/order.new" "$GUEST_DIR/modules/order"
     rm -rf "$work"
 }
