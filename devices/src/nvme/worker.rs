@@ -189,6 +189,9 @@ fn run(
     while !sq.stop.load(Ordering::SeqCst) {
         serve(shared, sq, cq, &mut f);
         let saturated = f.in_flight >= MAX_IN_FLIGHT;
+        if !saturated && f.ready.is_empty() && poll_shadow(shared, sq, &f) {
+            continue;
+        }
         if shared.is_fatal() || saturated || !rearm(shared, sq, cq, !f.ready.is_empty()) {
             // Nothing visible to do: sleep until a doorbell, a command back from the pool,
             // or a stop.
@@ -212,6 +215,33 @@ fn run(
         }
     }
     f.ready
+}
+
+/// How long [`poll_shadow`] watches.
+const SHADOW_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// With shadow doorbells, before arming the EventIdx: watch the shadow tail (and the
+/// pool's completions) for up to [`SHADOW_POLL`], yielding between looks. A guest that
+/// submits meanwhile does so without a doorbell trap (the EventIdx is not armed), and the
+/// worker sees it without being woken. True if there is work.
+fn poll_shadow(shared: &Shared, sq: &Sq, f: &Flights) -> bool {
+    if sq.dbbuf.get().is_none() || shared.is_fatal() {
+        return false;
+    }
+    let head = sq.head.load(Ordering::SeqCst);
+    let start = std::time::Instant::now();
+    while start.elapsed() < SHADOW_POLL {
+        if sq.stop.load(Ordering::SeqCst) || !f.done_rx.is_empty() {
+            return true;
+        }
+        match sq.published_tail() {
+            Ok(t) if t != head => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+        std::thread::yield_now();
+    }
+    false
 }
 
 /// With shadow doorbells: ask the guest to ring when it publishes more (the SQ tail past
