@@ -86,6 +86,7 @@
 mod chain;
 mod common_cfg;
 mod error;
+pub mod migration;
 mod pinned_chain;
 mod queue;
 mod signal;
@@ -98,6 +99,7 @@ mod tests;
 
 pub use chain::{DescChain, Segment, MAX_INDIRECT_DESCRIPTORS};
 pub use error::VirtioError;
+pub use migration::VirtioMigrate;
 pub use pinned_chain::{PinnedBuffers, PinnedChain};
 pub use queue::Virtqueue;
 pub use transport::{ConfigNotifier, VirtioPci, BAR0_SIZE};
@@ -217,4 +219,10 @@ pub trait VirtioDevice: Send {
 
     /// The client went away (device state is kept).
     fn disconnected(&mut self) {}
+
+    /// The device's live migration, if it has any (`None`: [`VirtioPci`] does not offer
+    /// migration for it). See "Migration" in the module docs.
+    fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+        None
+    }
 }
