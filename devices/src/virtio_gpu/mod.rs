@@ -26,6 +26,7 @@ mod commands;
 #[cfg(test)]
 mod commands_proptest;
 mod edid;
+pub mod migration;
 pub mod parent;
 pub mod protocol;
 mod screenshot;
@@ -35,7 +36,7 @@ mod worker;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
-use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError};
+use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError, VirtioMigrate};
 
 pub use commands::{CURSOR_SIZE, MAX_BACKING_ENTRIES};
 pub use edid::{edid, EDID_MAX_DIM};
@@ -130,11 +131,21 @@ impl VirtioGpuHandle {
         (s.used, s.budget)
     }
 
-    /// Number of resources, and how many have backing pinned.
+    /// Number of resources, and how many have backing attached.
     pub fn resources(&self) -> (usize, usize) {
         let s = lock(&self.state);
         let backed = s.resources.values().filter(|r| r.backing.is_some()).count();
         (s.resources.len(), backed)
+    }
+
+    /// How many resources have their backing pinned now (a migrated backing is pinned at
+    /// its first transfer on the destination).
+    pub fn pinned_backings(&self) -> usize {
+        lock(&self.state)
+            .resources
+            .values()
+            .filter(|r| r.backing.as_ref().is_some_and(|b| b.pins.is_some()))
+            .count()
     }
 
     /// Change scanout `index`'s mode from the host: the driver sees the display event and
@@ -310,5 +321,9 @@ impl VirtioDevice for VirtioGpu {
     fn dma_unmap(&mut self, iova: u64, size: u64) {
         // The worker holds the lock for a whole command, chain pins included.
         lock(&self.handle.state).unmap(iova, size);
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+        Some(self)
     }
 }
