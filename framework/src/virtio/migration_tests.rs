@@ -257,3 +257,21 @@ proptest! {
         pci.resume().unwrap();
     }
 }
+
+#[test]
+fn test_virtio_migration_device_never_driven_saves_and_loads() {
+    let (src, _vmm, _) = migratable_start();
+    let bytes = {
+        let mut dev = src.device();
+        let pci = dev.device_mut();
+        pci.stop().unwrap();
+        pci.save().unwrap()
+    };
+    let (dst, _vmm2, counters) = migratable_start();
+    let mut dev = dst.device();
+    let pci = dev.device_mut();
+    pci.load(&bytes).unwrap();
+    pci.resume().unwrap();
+    assert_eq!(pci.status(), 0);
+    assert_eq!(counters.activations.load(SeqCst), 0, "nothing to activate");
+}

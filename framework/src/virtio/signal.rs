@@ -28,7 +28,7 @@ pub(crate) struct Position {
 }
 
 /// [`Position`] in atomics: written by the queue's owner, read by the transport.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct PositionCell {
     next_avail: AtomicU16,
     next_used: AtomicU16,
@@ -37,6 +37,17 @@ pub(crate) struct PositionCell {
 }
 
 const NONE: u32 = 1 << 16;
+
+impl Default for PositionCell {
+    /// [`Position::default`].
+    fn default() -> Self {
+        PositionCell {
+            next_avail: AtomicU16::new(0),
+            next_used: AtomicU16::new(0),
+            signalled: AtomicU32::new(NONE),
+        }
+    }
+}
 
 impl PositionCell {
     pub(crate) fn store(&self, p: Position) {
