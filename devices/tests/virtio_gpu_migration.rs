@@ -702,3 +702,26 @@ fn section_bytes() -> &'static [u8] {
         b
     })
 }
+
+#[test]
+fn test_virtio_gpu_migration_resize_while_stopped_interrupts_only_at_running() {
+    let mut g = start(VirtioGpuConfig::default());
+    g.server.device().device_mut().stop().unwrap();
+    assert!(g.gpu.resize(0, 800, 600));
+    assert!(
+        !g.vmm
+            .wait_irq_serving(&g.msix[0], Duration::from_millis(50))
+            .unwrap(),
+        "a config interrupt while stopped"
+    );
+    g.server.device().device_mut().resume().unwrap();
+    assert!(
+        g.vmm.wait_irq_serving(&g.msix[0], WAIT).unwrap(),
+        "the display event is told at RUNNING"
+    );
+    let mut ev = [0u8; 4];
+    let (drv, vmm) = g.drv();
+    drv.read_config(vmm, 0, &mut ev).unwrap();
+    assert_eq!(u32::from_le_bytes(ev), 1, "VIRTIO_GPU_EVENT_DISPLAY");
+    assert_eq!(g.gpu.mode(0), Some((800, 600)));
+}

@@ -21,7 +21,8 @@
 //!
 //! **STOP** stops the queue worker: it finishes every command it was notified of (each
 //! chain completed on the used ring, fences included, since every command completes when
-//! its response is written) and exits; nothing touches guest memory after that. The
+//! its response is written) and exits; nothing touches guest memory after that, and a host
+//! resize raises no interrupt until RUNNING (the activation then tells the driver). The
 //! transport activates the device again at RUNNING with queues that continue where they
 //! were.
 //!
@@ -371,8 +372,14 @@ impl VirtioMigrate for VirtioGpu {
     }
 
     fn stop(&mut self) -> Result<(), MigrationError> {
-        // The worker finishes every command it was notified of, then exits.
+        // The worker finishes every command it was notified of, then exits; a host resize
+        // from now on raises no interrupt (activation at RUNNING tells the driver).
         VirtioGpu::stop(self);
+        *self
+            .handle
+            .notifier
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
     }
 

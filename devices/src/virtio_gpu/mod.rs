@@ -17,10 +17,12 @@
 //! - Scanouts and their resolutions are configurable; [`VirtioGpuHandle::resize`] changes a
 //!   mode from the host and raises the display config event.
 //! - [`VirtioGpuHandle::screenshot`]: a scanout with the cursor, as an RGB image (PNG).
+//! - Live migration ([`migration`]): resources with their pixels, backing re-pinned on the
+//!   destination, scanouts, cursor.
 //!
 //! Wire format and behaviour: `protocol-docs/devices/virtio-gpu.md`. Files: `protocol.rs`
 //! (wire types), `commands.rs` (execution), `state.rs` (resources, scanouts, budget),
-//! `worker.rs` (the queue thread), `edid.rs`, `screenshot.rs`.
+//! `worker.rs` (the queue thread), `migration.rs`, `edid.rs`, `screenshot.rs`.
 
 mod commands;
 #[cfg(test)]
@@ -292,6 +294,11 @@ impl VirtioDevice for VirtioGpu {
             ));
         }
         self.stop();
+        // A display event that came while there was no driver to tell (a host resize
+        // before DRIVER_OK or while stopped for migration) is told now.
+        if self.handle.events.load(SeqCst) != 0 {
+            a.config.notify();
+        }
         *self
             .handle
             .notifier

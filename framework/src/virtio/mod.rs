@@ -68,6 +68,51 @@
 //! [`PinnedChain::read`] and [`PinnedChain::write`] address the buffers as one byte stream
 //! each; dropping it unpins.
 //!
+//! ## Migration ([`VirtioMigrate`])
+//!
+//! A device migrates by returning its [`VirtioMigrate`] from [`VirtioDevice::migration`];
+//! [`VirtioPci`] then is a [`crate::migration::Migrate`] (through
+//! [`crate::pci::PciDevice::migration`], so the [`crate::pci::PciAdapter`] adds config
+//! space and MSI-X around it) and saves the transport's own state — features offered and
+//! negotiated, status, config generation, ISR, vectors, and per queue its size, enable,
+//! vector, ring addresses and ring positions (next avail, next used, the last index
+//! considered for an interrupt) — in front of the device's section. The device writes only
+//! what is its own:
+//!
+//! ```ignore
+//! impl VirtioMigrate for MyDevice {
+//!     fn max_state_size(&self) -> u64 { 4096 }              // from its real sizes
+//!     fn stop(&mut self) -> Result<(), MigrationError> {
+//!         self.worker.take().map(Worker::join);              // every chain taken completed
+//!         Ok(())
+//!     }
+//!     fn save(&mut self, out: &mut Vec<u8>) -> Result<(), MigrationError> {
+//!         encode_state_into(out, "my-device", 1, &self.state())
+//!     }
+//!     fn load(&mut self, bytes: &[u8]) -> Result<(), MigrationError> {
+//!         let s = decode_and_check(bytes)?;                  // a Decoder; check it all
+//!         self.apply(s);                                     // then change anything
+//!         Ok(())
+//!     }
+//! }
+//! // and in `impl VirtioDevice for MyDevice`:
+//! fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> { Some(self) }
+//! ```
+//!
+//! What the transport does around it: at STOP it calls [`VirtioMigrate::stop`] if the
+//! device is active, then fences every old [`Virtqueue`] (they return
+//! [`VirtioError::Stopped`]) and drops notifies until RUNNING; a save refuses a queue with
+//! chains in flight (version 1 does not carry held buffers). A load checks the transport's
+//! part whole (same features offered, same queue count, sizes, aligned rings, no chain in
+//! flight), resets transport and device, lets the device load, and applies its own part
+//! only if that succeeded. At RUNNING a device that was active gets
+//! [`VirtioDevice::activate`] again, with queues that continue at the saved positions,
+//! then one [`VirtioDevice::queue_notify`] per enabled queue so that chains published
+//! before STOP without a notify are taken. So a device needs no migration code for its
+//! queues: only its own state, and a `stop` that finishes what it took. Details and the
+//! wire format: [`migration`]. The virtio-gpu (`umdev_devices::virtio_gpu::migration`) is
+//! the example.
+//!
 //! ## Why not rust-vmm's `virtio-queue`
 //!
 //! `virtio-queue` walks rings through a `vm_memory::GuestMemory`, which hands out host
@@ -81,7 +126,8 @@
 //!
 //! Files: `transport.rs` ([`VirtioPci`]), `common_cfg.rs` (the common configuration
 //! registers and the transport state), `queue.rs` ([`Virtqueue`]), `chain.rs` (descriptor
-//! chain checks, [`DescChain`]), `pinned_chain.rs` ([`PinnedChain`]), `error.rs`.
+//! chain checks, [`DescChain`]), `pinned_chain.rs` ([`PinnedChain`]), `migration.rs`
+//! ([`VirtioMigrate`], the transport's state), `error.rs`.
 
 mod chain;
 mod common_cfg;
