@@ -79,24 +79,62 @@
 //! considered for an interrupt) — in front of the device's section. The device writes only
 //! what is its own:
 //!
-//! ```ignore
-//! impl VirtioMigrate for MyDevice {
-//!     fn max_state_size(&self) -> u64 { 4096 }              // from its real sizes
+//! ```
+//! use umdev::migration::{encode_state_into, Decoder, MigrationError};
+//! use umdev::virtio::{Activation, VirtioDevice, VirtioError, VirtioMigrate, Virtqueue};
+//!
+//! /// A device whose own state is one register; its queues are the transport's business.
+//! struct Counter {
+//!     queues: Vec<Option<Virtqueue>>,
+//!     value: u32,
+//! }
+//!
+//! impl VirtioDevice for Counter {
+//!     fn device_id(&self) -> u16 { 0x7e }
+//!     fn queue_max_sizes(&self) -> Vec<u16> { vec![16] }
+//!     fn activate(&mut self, a: Activation) -> Result<(), VirtioError> {
+//!         self.queues = a.queues; // after a migration: continuing at the saved positions
+//!         Ok(())
+//!     }
+//!     fn reset(&mut self) {
+//!         self.queues.clear();
+//!         self.value = 0;
+//!     }
+//!     fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+//!         Some(self)
+//!     }
+//! }
+//!
+//! impl VirtioMigrate for Counter {
+//!     fn max_state_size(&self) -> u64 {
+//!         64 // header and one varint: computed from the device's real sizes
+//!     }
 //!     fn stop(&mut self) -> Result<(), MigrationError> {
-//!         self.worker.take().map(Worker::join);              // every chain taken completed
+//!         // Finish every chain taken (a worker would be joined here), drop the queues.
+//!         self.queues.clear();
 //!         Ok(())
 //!     }
 //!     fn save(&mut self, out: &mut Vec<u8>) -> Result<(), MigrationError> {
-//!         encode_state_into(out, "my-device", 1, &self.state())
+//!         encode_state_into(out, "counter", 1, &self.value)
 //!     }
 //!     fn load(&mut self, bytes: &[u8]) -> Result<(), MigrationError> {
-//!         let s = decode_and_check(bytes)?;                  // a Decoder; check it all
-//!         self.apply(s);                                     // then change anything
+//!         let (_, mut d) = Decoder::new("counter", 1, 1, bytes)?;
+//!         let value: u32 = d.value()?;
+//!         d.finish()?; // everything checked: now change the device
+//!         self.value = value;
 //!         Ok(())
 //!     }
 //! }
-//! // and in `impl VirtioDevice for MyDevice`:
-//! fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> { Some(self) }
+//!
+//! // The transport saves its part and the device's; a destination loads both.
+//! use umdev::migration::Migrate;
+//! use umdev::virtio::VirtioPci;
+//! let mut src = VirtioPci::new(Counter { queues: Vec::new(), value: 7 }).unwrap();
+//! let state = src.save().unwrap();
+//! let mut dst = VirtioPci::new(Counter { queues: Vec::new(), value: 0 }).unwrap();
+//! dst.load(&state).unwrap();
+//! dst.resume().unwrap();
+//! assert_eq!(dst.device().value, 7);
 //! ```
 //!
 //! What the transport does around it: at STOP it calls [`VirtioMigrate::stop`] if the
