@@ -579,6 +579,19 @@ fn test_virtio_gpu_migration_transport_refuses_other_features_and_device_stays_r
     assert!(matches!(e, MigrationError::Incompatible(_)), "{e}");
     assert_eq!(dst.server.device().device().status(), 0);
     assert_eq!(dst.gpu.resources(), (0, 0));
+    // A state longer than the destination declares: refused before it is decoded.
+    let small = device(VirtioGpuConfig {
+        memory_budget: 1 << 20,
+        ..Default::default()
+    });
+    {
+        let mut dev = small.server.device();
+        let pci = dev.device_mut();
+        let mut long = bytes.clone();
+        long.resize(pci.max_state_size() as usize + 1, 0);
+        assert!(pci.load(&long).is_err(), "an oversized state");
+        assert_eq!(pci.status(), 0);
+    }
     // The same configuration takes it.
     let ok = device(VirtioGpuConfig::default());
     ok.server.device().device_mut().load(&bytes).unwrap();
