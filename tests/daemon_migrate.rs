@@ -594,6 +594,29 @@ fn test_migrate_keep_source_leaves_source_and_definition() {
 }
 
 #[test]
+fn test_migrate_detached_virtio_gpu_moves_to_a_daemon_with_its_type() {
+    let a = Daemon::start(&[]);
+    let b = Daemon::start(&[]);
+    a.ok(&["create", "--type", "vgpu-720p", "--uuid", UUID]);
+    let out = migrate(&a, &b, &["--json"]);
+    assert!(
+        out.status.success(),
+        "{}\nsource log:\n{}\ndestination log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        a.log(),
+        b.log()
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["migrated"]["type"], "vgpu-720p", "{v}");
+    assert!(a.instance(UUID).is_none());
+    let row = b.instance(UUID).expect("the destination serves it");
+    assert_eq!(row["type"], "vgpu-720p", "{row}");
+    // It answers there as a virtio-gpu (vendor 0x1af4, device 0x1050).
+    let mut vmm = Vmm::connect(&b.socket(UUID)).unwrap();
+    assert_eq!(vmm.read32(7, 0).unwrap(), 0x1050_1af4);
+}
+
+#[test]
 fn test_migrate_help_has_an_example() {
     let out = Command::new(BIN)
         .args(["migrate", "--help"])

@@ -155,3 +155,34 @@ fn test_virtio_gpu_parent_instance_probes_and_budget_is_its_type_share() {
     let gpu = gpus.handle(&inst.uuid).unwrap();
     assert_eq!(gpu.memory(), (3 * 640 * 480 * 4, 4 << 20));
 }
+
+#[test]
+fn test_virtio_gpu_parent_instance_migrates_between_registries_of_its_type_only() {
+    umdev::testing::init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let src = Registry::new(RegistryConfig::new(dir.path().join("src"))).unwrap();
+    let dst = Registry::new(RegistryConfig::new(dir.path().join("dst"))).unwrap();
+    let (src_gpus, dst_gpus) = (parent(136), parent(136));
+    src.add_parent(src_gpus.clone()).unwrap();
+    dst.add_parent(dst_gpus.clone()).unwrap();
+    let none = Params::new();
+    let info = src.create("virtio-gpu/vgpu-small", None, &none).unwrap();
+    let stream = src
+        .save_state(&info.uuid)
+        .expect("virtio-gpu instances migrate");
+    // Another resolution (and budget): refused, nothing taken from the pool.
+    let e = dst
+        .create_with_state("virtio-gpu/vgpu-1080p", &info.uuid, &none, &stream)
+        .unwrap_err();
+    assert!(matches!(e, InstanceError::Migration { .. }), "{e}");
+    assert_eq!(dst_gpus.pool_used_mib(), 0);
+    let moved = dst
+        .create_with_state("virtio-gpu/vgpu-small", &info.uuid, &none, &stream)
+        .unwrap();
+    assert_eq!(dst_gpus.pool_used_mib(), 4);
+    let handle = dst_gpus.handle(&moved.uuid).unwrap();
+    assert_eq!(handle.mode(0), Some((640, 480)));
+    assert_eq!(handle.memory(), (0, 4 << 20));
+    src.remove(&info.uuid, false).unwrap();
+    assert_eq!(src_gpus.pool_used_mib(), 0);
+}

@@ -7,7 +7,7 @@ use umdev::virtio::{PinnedBuffers, Segment};
 
 use super::edid::edid;
 use super::protocol::*;
-use super::state::{GpuState, Resource};
+use super::state::{Backing, GpuState, Resource, MAX_RESOURCES};
 
 /// Most entries in one RESOURCE_ATTACH_BACKING.
 pub const MAX_BACKING_ENTRIES: u32 = 16384;
@@ -77,7 +77,7 @@ fn dispatch(state: &mut GpuState, dma: &DmaHandle, kind: u32, f: &mut Fields) ->
         }
         cmd::TRANSFER_TO_HOST_2D => {
             let (rect, offset, id) = (f.rect()?, f.u64()?, f.u32()?);
-            transfer(state, rect, offset, id)
+            transfer(state, dma, rect, offset, id)
         }
         cmd::RESOURCE_ATTACH_BACKING => {
             let (id, n) = (f.u32()?, f.u32()?);
@@ -158,6 +158,9 @@ fn create_2d(state: &mut GpuState, id: u32, format: u32, width: u32, height: u32
     let Some(bpp) = format_bpp(format) else {
         return err(resp::ERR_INVALID_PARAMETER, "unsupported format");
     };
+    if state.resources.len() >= MAX_RESOURCES {
+        return err(resp::ERR_OUT_OF_MEMORY, "too many resources");
+    }
     // u32 × u32 fits u64; × 4 may not.
     let Some(size) = (u64::from(width) * u64::from(height)).checked_mul(u64::from(bpp)) else {
         return Reply(resp::ERR_OUT_OF_MEMORY, Vec::new());
@@ -250,7 +253,7 @@ fn flush(state: &mut GpuState, rect: Rect, id: u32) -> Reply {
 /// Copy `rect` of resource `id` from its backing: row `k` of the rectangle starts at byte
 /// `offset + k × stride` of the backing (stride = the resource's row bytes), as Linux and
 /// QEMU lay it out; every row is checked to lie in the backing before anything is copied.
-fn transfer(state: &mut GpuState, rect: Rect, offset: u64, id: u32) -> Reply {
+fn transfer(state: &mut GpuState, dma: &DmaHandle, rect: Rect, offset: u64, id: u32) -> Reply {
     let Some(r) = state.resources.get_mut(&id) else {
         return err(
             resp::ERR_INVALID_RESOURCE_ID,
@@ -263,10 +266,17 @@ fn transfer(state: &mut GpuState, rect: Rect, offset: u64, id: u32) -> Reply {
             "transfer rectangle outside the resource",
         );
     }
-    let Some(backing) = &r.backing else {
+    let (stride, width) = (r.stride(), r.width);
+    let Some(backing) = r.backing.as_mut() else {
         return err(resp::ERR_UNSPEC, "transfer to a resource without backing");
     };
-    let stride = r.stride();
+    let backing = match backing.pins(dma) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!("virtio-gpu: backing of resource {id} cannot be pinned: {e}");
+            return Reply(resp::ERR_UNSPEC, Vec::new());
+        }
+    };
     let row = u64::from(rect.width) * 4;
     let last = u64::from(rect.height - 1)
         .checked_mul(stride)
@@ -276,7 +286,7 @@ fn transfer(state: &mut GpuState, rect: Rect, offset: u64, id: u32) -> Reply {
         return err(resp::ERR_INVALID_PARAMETER, "transfer beyond the backing");
     }
     let dst0 = u64::from(rect.y) * stride + u64::from(rect.x) * 4;
-    let whole_rows = rect.x == 0 && rect.width == r.width;
+    let whole_rows = rect.x == 0 && rect.width == width;
     let rows = if whole_rows { 1 } else { rect.height };
     let len = if whole_rows {
         stride * u64::from(rect.height)
@@ -297,6 +307,8 @@ fn transfer(state: &mut GpuState, rect: Rect, offset: u64, id: u32) -> Reply {
 
 /// `None`: the entries are missing from the request.
 fn attach(state: &mut GpuState, dma: &DmaHandle, id: u32, n: u32, f: &mut Fields) -> Option<Reply> {
+    let entries = state.backing_entries();
+    let max_entries = state.max_backing_entries();
     let Some(r) = state.resources.get_mut(&id) else {
         return Some(err(
             resp::ERR_INVALID_RESOURCE_ID,
@@ -311,6 +323,12 @@ fn attach(state: &mut GpuState, dma: &DmaHandle, id: u32, n: u32, f: &mut Fields
     }
     if n == 0 || n > MAX_BACKING_ENTRIES {
         return Some(err(resp::ERR_INVALID_PARAMETER, "backing entry count"));
+    }
+    if entries + u64::from(n) > max_entries {
+        return Some(err(
+            resp::ERR_OUT_OF_MEMORY,
+            "more backing entries than the instance holds",
+        ));
     }
     let mut segments = Vec::with_capacity(n as usize);
     let mut total = 0u64;
@@ -335,7 +353,10 @@ fn attach(state: &mut GpuState, dma: &DmaHandle, id: u32, n: u32, f: &mut Fields
     }
     Some(match PinnedBuffers::pin(dma, &segments, false) {
         Ok(b) => {
-            r.backing = Some(b);
+            r.backing = Some(Backing {
+                segments,
+                pins: Some(b),
+            });
             ok()
         }
         Err(e) => {

@@ -17,15 +17,18 @@
 //! - Scanouts and their resolutions are configurable; [`VirtioGpuHandle::resize`] changes a
 //!   mode from the host and raises the display config event.
 //! - [`VirtioGpuHandle::screenshot`]: a scanout with the cursor, as an RGB image (PNG).
+//! - Live migration ([`migration`]): resources with their pixels, backing re-pinned on the
+//!   destination, scanouts, cursor.
 //!
 //! Wire format and behaviour: `protocol-docs/devices/virtio-gpu.md`. Files: `protocol.rs`
 //! (wire types), `commands.rs` (execution), `state.rs` (resources, scanouts, budget),
-//! `worker.rs` (the queue thread), `edid.rs`, `screenshot.rs`.
+//! `worker.rs` (the queue thread), `migration.rs`, `edid.rs`, `screenshot.rs`.
 
 mod commands;
 #[cfg(test)]
 mod commands_proptest;
 mod edid;
+pub mod migration;
 pub mod parent;
 pub mod protocol;
 mod screenshot;
@@ -35,7 +38,7 @@ mod worker;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
-use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError};
+use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError, VirtioMigrate};
 
 pub use commands::{CURSOR_SIZE, MAX_BACKING_ENTRIES};
 pub use edid::{edid, EDID_MAX_DIM};
@@ -136,11 +139,21 @@ impl VirtioGpuHandle {
         (s.used, s.budget)
     }
 
-    /// Number of resources, and how many have backing pinned.
+    /// Number of resources, and how many have backing attached.
     pub fn resources(&self) -> (usize, usize) {
         let s = lock(&self.state);
         let backed = s.resources.values().filter(|r| r.backing.is_some()).count();
         (s.resources.len(), backed)
+    }
+
+    /// How many resources have their backing pinned now (a migrated backing is pinned at
+    /// its first transfer on the destination).
+    pub fn pinned_backings(&self) -> usize {
+        lock(&self.state)
+            .resources
+            .values()
+            .filter(|r| r.backing.as_ref().is_some_and(|b| b.pins.is_some()))
+            .count()
     }
 
     /// Change scanout `index`'s mode from the host: the driver sees the display event and
@@ -287,6 +300,11 @@ impl VirtioDevice for VirtioGpu {
             ));
         }
         self.stop();
+        // A display event that came while there was no driver to tell (a host resize
+        // before DRIVER_OK or while stopped for migration) is told now.
+        if self.handle.events.load(SeqCst) != 0 {
+            a.config.notify();
+        }
         *self
             .handle
             .notifier
@@ -316,5 +334,9 @@ impl VirtioDevice for VirtioGpu {
     fn dma_unmap(&mut self, iova: u64, size: u64) {
         // The worker holds the lock for a whole command, chain pins included.
         lock(&self.handle.state).unmap(iova, size);
+    }
+
+    fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+        Some(self)
     }
 }

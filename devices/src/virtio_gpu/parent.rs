@@ -32,6 +32,14 @@
 //! None: every instance of a type is the same. Unknown keys are refused
 //! ([`InstanceError::BadParam`]).
 //!
+//! # Migration
+//!
+//! An instance is a [`VirtioGpu`] behind [`VirtioPci`], which migrates
+//! ([`super::migration`]): the registry saves and loads it, and `umdev migrate` moves it
+//! to a daemon whose parent offers the same type (the resolution is compared, and the
+//! destination's share must hold the resources; another type refuses the stream and takes
+//! nothing from the pool).
+//!
 //! # The display
 //!
 //! [`VirtioGpuParent::handle`] gives the display of a live instance (its screenshot, mode,

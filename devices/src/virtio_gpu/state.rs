@@ -5,11 +5,17 @@
 //! is created (a request beyond it is `ERR_OUT_OF_MEMORY`, and the allocation itself is
 //! fallible) and given back at unref or reset. Its backing is the guest's page list from
 //! RESOURCE_ATTACH_BACKING, pinned as one page array and held until detach, unref, an
-//! unmap of any of its pages, or reset.
+//! unmap of any of its pages, or reset. A backing that came with a migration is not pinned
+//! yet: the first transfer pins it from this device's own DMA maps ([`Backing::pins`]).
+//!
+//! Besides the budget, an instance holds at most [`MAX_RESOURCES`] resources and
+//! [`GpuState::max_backing_entries`] backing entries in all (both `ERR_OUT_OF_MEMORY`
+//! beyond), so the resource table and a migration state have a size the budget bounds.
 
 use std::collections::HashMap;
 
-use umdev::virtio::PinnedBuffers;
+use umdev::dma::{DmaError, DmaHandle, PAGE_SIZE};
+use umdev::virtio::{PinnedBuffers, Segment};
 
 use super::protocol::Rect;
 
@@ -24,8 +30,45 @@ pub struct Resource {
     pub format: u32,
     /// Host copy, `width × height × 4` bytes, rows of `width × 4`.
     pub data: Vec<u8>,
-    /// Guest backing, pinned.
-    pub backing: Option<PinnedBuffers>,
+    /// Guest backing.
+    pub backing: Option<Backing>,
+}
+
+/// Most resources one instance holds.
+pub const MAX_RESOURCES: usize = 4096;
+
+/// A resource's guest backing: the entries RESOURCE_ATTACH_BACKING gave, and their pins.
+#[derive(Debug)]
+pub struct Backing {
+    /// The guest's entries (checked: non-empty, not wrapping).
+    pub segments: Vec<Segment>,
+    /// The entries pinned as one page array; `None` after a migration until first used.
+    pub pins: Option<PinnedBuffers>,
+}
+
+impl Backing {
+    /// The pins, pinning the entries now if they are not (a migrated backing: re-pinned
+    /// from this device's DMA maps on first use).
+    pub fn pins(&mut self, dma: &DmaHandle) -> Result<&PinnedBuffers, DmaError> {
+        if self.pins.is_none() {
+            self.pins = Some(PinnedBuffers::pin(dma, &self.segments, false)?);
+        }
+        Ok(self.pins.as_ref().expect("pinned just above"))
+    }
+
+    /// Whether a page of the backing lies in `[iova, iova + size)`.
+    pub fn overlaps(&self, iova: u64, size: u64) -> bool {
+        if let Some(p) = &self.pins {
+            return p.overlaps(iova, size);
+        }
+        let end = iova.saturating_add(size);
+        self.segments.iter().any(|s| {
+            // Checked at attach (or load): does not wrap.
+            let first = s.addr / PAGE_SIZE * PAGE_SIZE;
+            let last = (s.addr + (u64::from(s.len) - 1)) | (PAGE_SIZE - 1);
+            first < end && last >= iova
+        })
+    }
 }
 
 impl Resource {
@@ -123,6 +166,22 @@ impl GpuState {
             s.rect = Rect::default();
         }
         self.cursor = Cursor::default();
+    }
+
+    /// Most backing entries all resources together may have: one per 2 KiB of the budget
+    /// (resources filling the budget, every page of their backing its own entry, twice
+    /// over) plus 16384.
+    pub fn max_backing_entries(&self) -> u64 {
+        self.budget / 2048 + 16384
+    }
+
+    /// Backing entries all resources have now.
+    pub fn backing_entries(&self) -> u64 {
+        self.resources
+            .values()
+            .filter_map(|r| r.backing.as_ref())
+            .map(|b| b.segments.len() as u64)
+            .sum()
     }
 
     /// Drop the backing of every resource with a page in `[iova, iova + size)`.

@@ -99,6 +99,13 @@ impl<'a> Decoder<'a> {
         Ok(declared as usize)
     }
 
+    /// The bytes not decoded yet, borrowed from the input (a section that follows this
+    /// value and is decoded by someone else, such as a device's section behind its
+    /// transport's).
+    pub fn into_rest(self) -> &'a [u8] {
+        self.rest
+    }
+
     /// The whole value was read: refuse trailing bytes.
     pub fn finish(self) -> Result<(), MigrationError> {
         if self.rest.is_empty() {

@@ -194,6 +194,19 @@ pub fn encode_state<T: Serialize>(
     version: u32,
     value: &T,
 ) -> Result<Vec<u8>, MigrationError> {
+    let mut out = Vec::new();
+    encode_state_into(&mut out, format, version, value)?;
+    Ok(out)
+}
+
+/// [`encode_state`] appended to `out` (a section behind another one, written without a
+/// copy of its own).
+pub fn encode_state_into<T: Serialize>(
+    out: &mut Vec<u8>,
+    format: &str,
+    version: u32,
+    value: &T,
+) -> Result<(), MigrationError> {
     let header = Header {
         format: format.to_owned(),
         version,
@@ -203,11 +216,12 @@ pub fn encode_state<T: Serialize>(
     let size = postcard::experimental::serialized_size(&header)
         .and_then(|h| Ok(h + postcard::experimental::serialized_size(value)?))
         .map_err(|e| malformed(format, e))?;
-    let mut out = Vec::new();
     out.try_reserve_exact(size)
         .map_err(|e| MigrationError::Device(format!("{format} state of {size} bytes: {e}")))?;
-    let out = postcard::to_extend(&header, out).map_err(|e| malformed(format, e))?;
-    postcard::to_extend(value, out).map_err(|e| malformed(format, e))
+    let taken = std::mem::take(out);
+    let taken = postcard::to_extend(&header, taken).map_err(|e| malformed(format, e))?;
+    *out = postcard::to_extend(value, taken).map_err(|e| malformed(format, e))?;
+    Ok(())
 }
 
 /// Decode what [`encode_state`] wrote: the header must name `format` with a version in

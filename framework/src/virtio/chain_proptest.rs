@@ -184,7 +184,7 @@ proptest! {
             index: 0, size: SIZE, desc: DESC, avail: AVAIL, used: USED,
             event_idx: true, indirect: indirect_ok, max_chain_bytes: MAX_BYTES,
         };
-        let mut q = Virtqueue::new(setup, space.handle(), shared.clone(), 0);
+        let mut q = Virtqueue::new(setup, space.handle(), shared.clone(), 0, Default::default());
         let jumped = avail_idx > SIZE;
         let mut k = 0usize;
         loop {

@@ -58,12 +58,12 @@ pub(crate) enum Action {
 pub(crate) struct CommonCfg {
     pub(crate) offered: u64,
     pub(crate) driver_features: u64,
-    device_select: u32,
-    driver_select: u32,
+    pub(crate) device_select: u32,
+    pub(crate) driver_select: u32,
     pub(crate) queue_select: u16,
     pub(crate) queues: Vec<QueueRegs>,
     /// MSI-X table size (vectors ≥ this read back as NO_VECTOR).
-    msix_vectors: u16,
+    pub(crate) msix_vectors: u16,
 }
 
 impl CommonCfg {

@@ -68,6 +68,89 @@
 //! [`PinnedChain::read`] and [`PinnedChain::write`] address the buffers as one byte stream
 //! each; dropping it unpins.
 //!
+//! ## Migration ([`VirtioMigrate`])
+//!
+//! A device migrates by returning its [`VirtioMigrate`] from [`VirtioDevice::migration`];
+//! [`VirtioPci`] then is a [`crate::migration::Migrate`] (through
+//! [`crate::pci::PciDevice::migration`], so the [`crate::pci::PciAdapter`] adds config
+//! space and MSI-X around it) and saves the transport's own state — features offered and
+//! negotiated, status, config generation, ISR, vectors, and per queue its size, enable,
+//! vector, ring addresses and ring positions (next avail, next used, the last index
+//! considered for an interrupt) — in front of the device's section. The device writes only
+//! what is its own:
+//!
+//! ```
+//! use umdev::migration::{encode_state_into, Decoder, MigrationError};
+//! use umdev::virtio::{Activation, VirtioDevice, VirtioError, VirtioMigrate, Virtqueue};
+//!
+//! /// A device whose own state is one register; its queues are the transport's business.
+//! struct Counter {
+//!     queues: Vec<Option<Virtqueue>>,
+//!     value: u32,
+//! }
+//!
+//! impl VirtioDevice for Counter {
+//!     fn device_id(&self) -> u16 { 0x7e }
+//!     fn queue_max_sizes(&self) -> Vec<u16> { vec![16] }
+//!     fn activate(&mut self, a: Activation) -> Result<(), VirtioError> {
+//!         self.queues = a.queues; // after a migration: continuing at the saved positions
+//!         Ok(())
+//!     }
+//!     fn reset(&mut self) {
+//!         self.queues.clear();
+//!         self.value = 0;
+//!     }
+//!     fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+//!         Some(self)
+//!     }
+//! }
+//!
+//! impl VirtioMigrate for Counter {
+//!     fn max_state_size(&self) -> u64 {
+//!         64 // header and one varint: computed from the device's real sizes
+//!     }
+//!     fn stop(&mut self) -> Result<(), MigrationError> {
+//!         // Finish every chain taken (a worker would be joined here), drop the queues.
+//!         self.queues.clear();
+//!         Ok(())
+//!     }
+//!     fn save(&mut self, out: &mut Vec<u8>) -> Result<(), MigrationError> {
+//!         encode_state_into(out, "counter", 1, &self.value)
+//!     }
+//!     fn load(&mut self, bytes: &[u8]) -> Result<(), MigrationError> {
+//!         let (_, mut d) = Decoder::new("counter", 1, 1, bytes)?;
+//!         let value: u32 = d.value()?;
+//!         d.finish()?; // everything checked: now change the device
+//!         self.value = value;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! // The transport saves its part and the device's; a destination loads both.
+//! use umdev::migration::Migrate;
+//! use umdev::virtio::VirtioPci;
+//! let mut src = VirtioPci::new(Counter { queues: Vec::new(), value: 7 }).unwrap();
+//! let state = src.save().unwrap();
+//! let mut dst = VirtioPci::new(Counter { queues: Vec::new(), value: 0 }).unwrap();
+//! dst.load(&state).unwrap();
+//! dst.resume().unwrap();
+//! assert_eq!(dst.device().value, 7);
+//! ```
+//!
+//! What the transport does around it: at STOP it calls [`VirtioMigrate::stop`] if the
+//! device is active, then fences every old [`Virtqueue`] (they return
+//! [`VirtioError::Stopped`]) and drops notifies until RUNNING; a save refuses a queue with
+//! chains in flight (version 1 does not carry held buffers). A load checks the transport's
+//! part whole (same features offered, same queue count, sizes, aligned rings, no chain in
+//! flight), resets transport and device, lets the device load, and applies its own part
+//! only if that succeeded. At RUNNING a device that was active gets
+//! [`VirtioDevice::activate`] again, with queues that continue at the saved positions,
+//! then one [`VirtioDevice::queue_notify`] per enabled queue so that chains published
+//! before STOP without a notify are taken. So a device needs no migration code for its
+//! queues: only its own state, and a `stop` that finishes what it took. Details and the
+//! wire format: [`migration`]. The virtio-gpu (`umdev_devices::virtio_gpu::migration`) is
+//! the example.
+//!
 //! ## Why not rust-vmm's `virtio-queue`
 //!
 //! `virtio-queue` walks rings through a `vm_memory::GuestMemory`, which hands out host
@@ -81,11 +164,13 @@
 //!
 //! Files: `transport.rs` ([`VirtioPci`]), `common_cfg.rs` (the common configuration
 //! registers and the transport state), `queue.rs` ([`Virtqueue`]), `chain.rs` (descriptor
-//! chain checks, [`DescChain`]), `pinned_chain.rs` ([`PinnedChain`]), `error.rs`.
+//! chain checks, [`DescChain`]), `pinned_chain.rs` ([`PinnedChain`]), `migration.rs`
+//! ([`VirtioMigrate`], the transport's state), `error.rs`.
 
 mod chain;
 mod common_cfg;
 mod error;
+pub mod migration;
 mod pinned_chain;
 mod queue;
 mod signal;
@@ -98,6 +183,7 @@ mod tests;
 
 pub use chain::{DescChain, Segment, MAX_INDIRECT_DESCRIPTORS};
 pub use error::VirtioError;
+pub use migration::VirtioMigrate;
 pub use pinned_chain::{PinnedBuffers, PinnedChain};
 pub use queue::Virtqueue;
 pub use transport::{ConfigNotifier, VirtioPci, BAR0_SIZE};
@@ -217,4 +303,10 @@ pub trait VirtioDevice: Send {
 
     /// The client went away (device state is kept).
     fn disconnected(&mut self) {}
+
+    /// The device's live migration, if it has any (`None`: [`VirtioPci`] does not offer
+    /// migration for it). See "Migration" in the module docs.
+    fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+        None
+    }
 }

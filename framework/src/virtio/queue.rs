@@ -16,7 +16,7 @@ use crate::dma::{DmaError, DmaHandle};
 
 use super::chain::{DescChain, WalkParams};
 use super::error::VirtioError;
-use super::signal::Shared;
+use super::signal::{Position, Shared};
 
 /// `avail.flags`: the driver wants no interrupts.
 const VIRTQ_AVAIL_F_NO_INTERRUPT: u16 = 1;
@@ -66,13 +66,24 @@ impl std::fmt::Debug for Virtqueue {
 }
 
 impl Virtqueue {
-    pub(crate) fn new(q: QueueSetup, dma: DmaHandle, shared: Arc<Shared>, epoch: u64) -> Self {
+    /// A queue from `at` (the reset position for a new activation, the saved one after a
+    /// migration), with no chain in flight.
+    pub(crate) fn new(
+        q: QueueSetup,
+        dma: DmaHandle,
+        shared: Arc<Shared>,
+        epoch: u64,
+        at: Position,
+    ) -> Self {
+        if let Some(cell) = shared.positions.get(usize::from(q.index)) {
+            cell.store(at);
+        }
         Virtqueue {
             in_flight: vec![false; usize::from(q.size)],
             q,
-            next_avail: 0,
-            next_used: 0,
-            signalled_used: None,
+            next_avail: at.next_avail,
+            next_used: at.next_used,
+            signalled_used: at.signalled_used,
             dma,
             shared,
             epoch,
@@ -98,6 +109,18 @@ impl Virtqueue {
     /// True once an error (or a reset) stopped the queue.
     pub fn is_stopped(&self) -> bool {
         self.stopped || self.shared.epoch.load(Ordering::SeqCst) != self.epoch
+    }
+
+    /// Publish the ring positions to the transport (migration reads them once the device
+    /// stopped).
+    fn mirror(&self) {
+        if let Some(cell) = self.shared.positions.get(usize::from(self.q.index)) {
+            cell.store(Position {
+                next_avail: self.next_avail,
+                next_used: self.next_used,
+                signalled_used: self.signalled_used,
+            });
+        }
     }
 
     fn live(&self) -> Result<(), VirtioError> {
@@ -176,6 +199,7 @@ impl Virtqueue {
             ));
         }
         self.next_avail = self.next_avail.wrapping_add(1);
+        self.mirror();
         Ok(Some(chain))
     }
 
@@ -199,6 +223,7 @@ impl Virtqueue {
         // The entry is visible before the index that publishes it.
         fence(Ordering::Release);
         self.next_used = self.next_used.wrapping_add(1);
+        self.mirror();
         self.write_u16(self.q.used + 2, self.next_used)?;
         Ok(())
     }
@@ -221,6 +246,7 @@ impl Virtqueue {
         }
         let event = self.read_u16(self.q.avail + 4 + 2 * self.size64())?;
         let old = self.signalled_used.replace(new);
+        self.mirror();
         Ok(match old {
             None => true,
             Some(old) => new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old),

@@ -107,6 +107,9 @@ impl VirtioDevice for Echo {
         self.queues.clear();
         self.dma = None;
     }
+    fn migration(&mut self) -> Option<&mut dyn VirtioMigrate> {
+        Some(self)
+    }
 }
 
 type Server = TestServer<PciAdapter<VirtioPci<Echo>>>;
@@ -155,6 +158,9 @@ const ALL: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_RING_F_IN
 fn needs_reset(s: &mut Setup) -> bool {
     s.drv.status(&mut s.vmm).unwrap() & status::DEVICE_NEEDS_RESET != 0
 }
+
+#[path = "migration_tests.rs"]
+mod migration_tests;
 
 #[test]
 fn test_virtio_probe_sees_modern_ids_capabilities_and_features() {

@@ -11,7 +11,7 @@ use crate::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, Regis
 use super::common_cfg::{Action, CommonCfg, QueueRegs, COMMON_CFG_SIZE};
 use super::error::VirtioError;
 use super::queue::{QueueSetup, Virtqueue};
-use super::signal::Shared;
+use super::signal::{Position, Shared};
 use super::{
     status, Activation, VirtioDevice, MAX_QUEUES, TRANSPORT_FEATURES, VIRTIO_F_VERSION_1,
     VIRTIO_MSI_NO_VECTOR, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
@@ -63,12 +63,16 @@ impl ConfigNotifier {
 /// `PciAdapter::new(VirtioPci::new(device)?)`.
 pub struct VirtioPci<D> {
     dev: D,
-    cfg: CommonCfg,
-    shared: Arc<Shared>,
+    pub(super) cfg: CommonCfg,
+    pub(super) shared: Arc<Shared>,
     dma: Option<DmaHandle>,
     config_size: u64,
     max_chain_bytes: u64,
     active: bool,
+    /// The device's [`super::VirtioMigrate::max_state_size`] (0: it does not migrate).
+    pub(crate) device_max_state: u64,
+    /// Migration: stopped, and what resumes (`migration.rs`).
+    pub(crate) mig: super::migration::TransportMig,
 }
 
 fn bad(msg: String) -> VirtioError {
@@ -78,7 +82,8 @@ fn bad(msg: String) -> VirtioError {
 impl<D: VirtioDevice> VirtioPci<D> {
     /// Wrap `dev`; checks its queue sizes (1..=[`MAX_QUEUES`] queues, each size a power of
     /// two ≤ 32768) and its config size (≤ 4096).
-    pub fn new(dev: D) -> Result<VirtioPci<D>, VirtioError> {
+    pub fn new(mut dev: D) -> Result<VirtioPci<D>, VirtioError> {
+        let device_max_state = dev.migration().map_or(0, |m| m.max_state_size());
         let sizes = dev.queue_max_sizes();
         if sizes.is_empty() || sizes.len() > MAX_QUEUES {
             return Err(bad(format!("{} queues (1..={MAX_QUEUES})", sizes.len())));
@@ -101,6 +106,8 @@ impl<D: VirtioDevice> VirtioPci<D> {
             dma: None,
             config_size,
             active: false,
+            device_max_state,
+            mig: Default::default(),
         })
     }
 
@@ -145,11 +152,15 @@ impl<D: VirtioDevice> VirtioPci<D> {
         self.cfg.queues.len() as u64 * u64::from(NOTIFY_MULTIPLIER)
     }
 
-    fn full_reset(&mut self) {
+    pub(crate) fn full_reset(&mut self) {
         self.shared.epoch.fetch_add(1, SeqCst);
         self.dev.reset();
         self.cfg.reset();
         self.active = false;
+        self.mig = Default::default();
+        for p in &self.shared.positions {
+            p.store(Position::default());
+        }
         self.shared.status.store(0, SeqCst);
         self.shared.isr.store(0, SeqCst);
         self.shared
@@ -192,12 +203,14 @@ impl<D: VirtioDevice> VirtioPci<D> {
             if new & status::FEATURES_OK == 0 {
                 self.shared.needs_reset(&"DRIVER_OK without FEATURES_OK");
             } else {
-                self.activate();
+                self.activate(false);
             }
         }
     }
 
-    fn activate(&mut self) {
+    /// Hand the enabled queues to the device: from the reset position for a new
+    /// activation, or (`restore`, after a migration stop) from where they were.
+    pub(crate) fn activate(&mut self, restore: bool) {
         let Some(dma) = self.dma.clone() else {
             self.shared
                 .needs_reset(&"DRIVER_OK before the device was attached");
@@ -222,7 +235,12 @@ impl<D: VirtioDevice> VirtioPci<D> {
                         indirect: features & VIRTIO_RING_F_INDIRECT_DESC != 0,
                         max_chain_bytes: self.max_chain_bytes,
                     };
-                    Virtqueue::new(setup, dma.clone(), self.shared.clone(), epoch)
+                    let at = if restore {
+                        self.shared.positions[i].load()
+                    } else {
+                        Position::default()
+                    };
+                    Virtqueue::new(setup, dma.clone(), self.shared.clone(), epoch, at)
                 })
             })
             .collect();
@@ -256,6 +274,18 @@ impl<D: VirtioDevice> VirtioPci<D> {
         }
     }
 
+    pub(crate) fn is_active(&self) -> bool {
+        self.active
+    }
+
+    pub(crate) fn set_inactive(&mut self) {
+        self.active = false;
+    }
+
+    pub(crate) fn has_dma(&self) -> bool {
+        self.dma.is_some()
+    }
+
     fn caps(&self) -> Vec<Vec<u8>> {
         let cap = |cfg_type: u8, offset: u64, length: u64, extra: Option<u32>| {
             let len = if extra.is_some() { 20u8 } else { 16 };
@@ -286,7 +316,7 @@ impl<D: VirtioDevice> VirtioPci<D> {
 }
 
 /// A queue may be enabled: aligned areas that do not wrap.
-fn check_queue(q: &QueueRegs) -> Result<(), &'static str> {
+pub(crate) fn check_queue(q: &QueueRegs) -> Result<(), &'static str> {
     let size = u64::from(q.size);
     if !q.size.is_power_of_two() {
         return Err("size is not a power of two");
@@ -388,7 +418,11 @@ impl<D: VirtioDevice> PciDevice for VirtioPci<D> {
                 .queues
                 .get(usize::from(index))
                 .is_some_and(|q| q.enabled);
-            if self.active && enabled {
+            if self.mig.stopped {
+                // A VMM does not run the guest while the device is stopped; the queues
+                // are looked at again when it resumes.
+                tracing::debug!("virtio: notify of queue {index} while stopped: deferred");
+            } else if self.active && enabled {
                 self.dev.queue_notify(index);
             } else {
                 tracing::debug!("virtio: notify of queue {index} while not live: ignored");
@@ -403,6 +437,12 @@ impl<D: VirtioDevice> PciDevice for VirtioPci<D> {
         if self.shared.irq.set(irq).is_err() {
             tracing::warn!("virtio: attached twice; the first interrupt handle stays");
         }
+        // A state loaded and resumed before attach (a daemon loads an instance before its
+        // server runs) activates now.
+        if self.mig.resume_at_attach {
+            self.mig.resume_at_attach = false;
+            self.reactivate();
+        }
     }
 
     fn reset(&mut self) {
@@ -415,5 +455,15 @@ impl<D: VirtioDevice> PciDevice for VirtioPci<D> {
 
     fn disconnected(&mut self) {
         self.dev.disconnected();
+    }
+
+    /// The transport itself when the device migrates ([`super::VirtioDevice::migration`]):
+    /// it saves and loads its own state around the device's section (`migration.rs`).
+    fn migration(&mut self) -> Option<&mut dyn crate::migration::Migrate> {
+        if self.dev.migration().is_some() {
+            Some(self)
+        } else {
+            None
+        }
     }
 }
