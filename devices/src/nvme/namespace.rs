@@ -180,7 +180,7 @@ impl Namespace {
     /// page cache coherent with direct writes.
     pub fn file_for(&self, offset: u64, len: u64, mem_offset: u64) -> &File {
         match &self.direct {
-            Some(d) if (offset | len | mem_offset) % DIRECT_ALIGN == 0 => d,
+            Some(d) if (offset | len | mem_offset).is_multiple_of(DIRECT_ALIGN) => d,
             _ => &self.file,
         }
     }
