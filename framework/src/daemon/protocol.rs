@@ -859,7 +859,10 @@ mod tests {
         });
         assert_eq!(reply.payload_len(), 1234);
         let text = serde_json::to_string(&reply).unwrap();
-        assert!(text.starts_with(r#"{"reply":"screenshot","uuid":"u""#), "{text}");
+        assert!(
+            text.starts_with(r#"{"reply":"screenshot","uuid":"u""#),
+            "{text}"
+        );
         assert_eq!(serde_json::from_str::<Reply>(&text).unwrap(), reply);
     }
 
