@@ -465,8 +465,13 @@ fn serve_one(stream: &UnixStream, shared: &Shared) {
             "the daemon failed handling the request (a bug; its log has the panic)",
         ))
     });
-    if let Err(e) = &result {
-        info!(kind = ?e.kind, error = %e.message, "control request refused");
+    match &result {
+        // A live view asks several times a second while the guest shows nothing yet.
+        Err(e) if e.kind == ErrorKind::NothingShown => {
+            debug!(error = %e.message, "control request refused")
+        }
+        Err(e) => info!(kind = ?e.kind, error = %e.message, "control request refused"),
+        Ok(_) => {}
     }
     answer_with(stream, reply_deadline(), result);
 }
