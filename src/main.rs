@@ -5,6 +5,7 @@ mod completions;
 mod daemon;
 mod demo;
 mod demo_migrate;
+mod display;
 mod logging;
 mod run;
 
@@ -16,7 +17,7 @@ use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
     name = "umdev",
     version,
     about,
-    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev demo migrate                     move a drawing GPU and a ccw device between two servers\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev run virtio-gpu --socket /tmp/vgpu.sock --screenshot-on-exit screen.png\n                                         a virtio-gpu for the guest's own driver\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
+    after_help = "Examples:\n  umdev demo gpu                         draw a scene, write gpu-demo.png (no QEMU needed)\n  umdev demo ccw                         write and verify data through channel programs\n  umdev demo migrate                     move a drawing GPU and a ccw device between two servers\n  umdev run gpu --socket /tmp/gpu.sock   serve the GPU to a VMM until Ctrl-C\n  umdev run virtio-gpu --socket /tmp/vgpu.sock --screenshot-on-exit screen.png\n                                         a virtio-gpu for the guest's own driver\n  umdev screenshot UUID -o screen.png    what a daemon's virtio-gpu instance shows\n  umdev view UUID                        the same, live, at http://127.0.0.1:8080/\n  umdev bench pin --quick                coalesced vs per-page pinning\n\nLogging: RUST_LOG=info (default) shows connects, negotiation and problems;\nRUST_LOG=debug adds one line per vfio-user message (command, id, size, outcome) plus\ndetails of DMA maps and unmaps; RUST_LOG=trace adds config-space writes and GPU commands.\nColour only when stderr is a terminal (NO_COLOR turns it off)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -50,6 +51,11 @@ enum Command {
     Daemon(daemon::DaemonArgs),
     #[command(flatten)]
     Instances(daemon::client::ClientCommand),
+    /// Write what a virtio-gpu's scanout shows (with the cursor) as PNG: an instance of the
+    /// daemon, or the device of `umdev run --control`.
+    Screenshot(display::ScreenshotArgs),
+    /// Serve a live view of a virtio-gpu's scanout to a browser (HTTP), until Ctrl-C.
+    View(display::ViewArgs),
     /// What this host has and lacks for umdev: memlock, map count, huge pages, QEMU,
     /// the daemon's directories.
     Check(check::CheckArgs),
@@ -66,10 +72,11 @@ fn main() {
     let default_level = match cli.command {
         Command::Bench(_)
         | Command::Instances(_)
+        | Command::Screenshot(_)
         | Command::Check(_)
         | Command::Completions(_)
         | Command::Man(_) => "warn",
-        Command::Run(_) | Command::Demo(_) | Command::Daemon(_) => "info",
+        Command::Run(_) | Command::Demo(_) | Command::Daemon(_) | Command::View(_) => "info",
     };
     logging::init(default_level);
     let result: CliResult = match cli.command {
@@ -78,6 +85,8 @@ fn main() {
         Command::Bench(args) => umdev_bench::run(args).map_err(Into::into),
         Command::Daemon(args) => daemon::run(args),
         Command::Instances(command) => daemon::client::run(command),
+        Command::Screenshot(args) => display::screenshot(args),
+        Command::View(args) => display::view(args),
         Command::Check(args) => check::run(args),
         Command::Completions(args) => completions::completions(args, Cli::command()),
         Command::Man(args) => completions::man(args, Cli::command()),

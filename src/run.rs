@@ -14,6 +14,8 @@ use umdev_devices::gpu::{Gpu, GpuConfig};
 use umdev_devices::nvme::{Nvme, NvmeConfig, MAX_IO_QUEUES};
 use umdev_devices::virtio_gpu::{VirtioGpu, VirtioGpuConfig, VirtioGpuHandle};
 
+use crate::display::http;
+use crate::display::run_control::RunControl;
 use crate::{CliResult, DeviceKind};
 
 /// Residency policy for pinned pages (see protocol-docs/dma.md).
@@ -51,7 +53,12 @@ messages (slower). Shadow doorbells are offered unless --no-shadow-doorbells.\n\
 virtio-gpu: the guest's stock virtio_gpu driver binds it (no VGA beside it: add -vga none); \
 --width/--height set each scanout's mode (--scanouts of them), --gpu-memory-mib the host memory \
 its resources may take (ERR_OUT_OF_MEMORY beyond), --screenshot-on-exit writes scanout 0 (with \
-the cursor) as PNG when umdev stops."
+the cursor) as PNG when umdev stops.\n\n\
+The display while it runs: --control PATH serves a control socket for `umdev screenshot \
+--control PATH -o screen.png` and `umdev view --control PATH`; --view 127.0.0.1:8080 serves \
+a live view (open http://127.0.0.1:8080/ in a browser; port 0 picks a free one, the URL is \
+logged). Example:\n  \
+umdev run virtio-gpu --socket /tmp/vgpu.sock --control /tmp/vgpu.ctl --view 127.0.0.1:8080"
 )]
 pub struct RunArgs {
     /// Device to serve.
@@ -139,6 +146,14 @@ pub struct RunArgs {
     /// it showed before).
     #[arg(long, value_name = "FILE")]
     pub screenshot_on_exit: Option<PathBuf>,
+    /// virtio-gpu: serve a control socket at PATH (mode 600) for `umdev screenshot
+    /// --control PATH` and `umdev view --control PATH`.
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
+    /// virtio-gpu: serve a live view of scanout 0 over HTTP on ADDR:PORT (no password:
+    /// keep it on 127.0.0.1 and tunnel it, `ssh -L`).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub view: Option<std::net::SocketAddr>,
 }
 
 /// A byte count with an optional K/M/G/T suffix (powers of 1024).
@@ -264,7 +279,47 @@ pub fn run(args: RunArgs) -> CliResult {
     if args.screenshot_on_exit.is_some() && args.device != DeviceKind::VirtioGpu {
         return Err("--screenshot-on-exit is for virtio-gpu".into());
     }
+    if (args.control.is_some() || args.view.is_some()) && args.device != DeviceKind::VirtioGpu {
+        return Err(
+            "--control and --view are for virtio-gpu (the one device with a display)".into(),
+        );
+    }
     let (device, display) = build_device(args.device, &args)?;
+    let control = match (&args.control, &display) {
+        (Some(path), Some(display)) => {
+            let control = RunControl::spawn(path, display.clone())?;
+            tracing::info!(
+                "control socket {}: `umdev screenshot --control {} -o FILE`",
+                path.display(),
+                path.display()
+            );
+            Some(control)
+        }
+        _ => None,
+    };
+    if let (Some(listen), Some(display)) = (args.view, &display) {
+        let display = display.clone();
+        let source: http::FrameSource = Box::new(move || {
+            display
+                .screenshot_png(0)
+                .map(|shot| Arc::new(shot.png))
+                .map_err(|e| format!("scanout 0 {e}"))
+        });
+        let interval = std::time::Duration::from_millis(200);
+        let view = http::View::spawn(
+            http::ViewConfig {
+                listen,
+                title: format!(
+                    "umdev run virtio-gpu ({}), scanout 0",
+                    args.socket.display()
+                ),
+                interval,
+            },
+            Arc::new(http::FrameCache::new(source, interval)),
+        )
+        .map_err(|e| format!("cannot serve the view on {listen}: {e}"))?;
+        tracing::info!("live view on {}", view.url());
+    }
     let mut config = ServerConfig::new(&args.socket);
     config.socket_mode = args.socket_mode;
     config.allow_any_file_maps = args.allow_any_file_maps;
@@ -279,6 +334,9 @@ pub fn run(args: RunArgs) -> CliResult {
     );
     sigs.serve_until_signal(server, &dma)?;
     dma.set_pin_recorder(None);
+    if let Some(control) = control {
+        control.stop(std::time::Duration::from_secs(1));
+    }
     if let (Some(path), Some(display)) = (&args.screenshot_on_exit, display) {
         match display.last_frame(0) {
             Some(image) => {

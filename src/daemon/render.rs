@@ -21,6 +21,7 @@ pub fn json(reply: &Reply) -> String {
         Reply::Undefined(r) => serde_json::to_value(r),
         Reply::Removed(r) => serde_json::to_value(r),
         Reply::Saved(r) => serde_json::to_value(r),
+        Reply::Screenshot(r) => serde_json::to_value(r),
     };
     let value = value.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     format!("{value:#}\n")
@@ -64,6 +65,10 @@ pub fn human(request: &Request, reply: &Reply, bold: bool) -> String {
         Reply::Saved(r) => format!(
             "saved the state of {} ({} bytes)\n",
             r.instance.uuid, r.state_len
+        ),
+        Reply::Screenshot(r) => format!(
+            "scanout {} ({}x{}, {} bytes of PNG)\n",
+            r.scanout, r.width, r.height, r.png_len
         ),
     }
 }

@@ -38,12 +38,13 @@ mod worker;
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
+use umdev::instance::Screenshot;
 use umdev::virtio::{Activation, ConfigNotifier, VirtioDevice, VirtioError, VirtioMigrate};
 
 pub use commands::{CURSOR_SIZE, MAX_BACKING_ENTRIES};
 pub use edid::{edid, EDID_MAX_DIM};
 pub use parent::{VirtioGpuParent, VirtioGpuParentConfig, VirtioGpuType};
-pub use screenshot::Image;
+pub use screenshot::{Image, ShotError};
 
 use protocol::{MAX_SCANOUTS, VIRTIO_GPU_EVENT_DISPLAY, VIRTIO_GPU_F_EDID};
 use state::GpuState;
@@ -108,6 +109,25 @@ impl VirtioGpuHandle {
     /// What scanout `index` shows now (with the cursor), or `None` if nothing.
     pub fn screenshot(&self, index: usize) -> Option<Image> {
         screenshot::capture(&lock(&self.state), index)
+    }
+
+    /// What scanout `index` shows now (with the cursor), as a PNG file: the picture is
+    /// copied under the state lock (the queue threads wait only for that copy), encoded
+    /// after it.
+    pub fn screenshot_png(&self, index: u32) -> Result<Screenshot, ShotError> {
+        let image = {
+            let state = lock(&self.state);
+            let n = state.scanouts.len();
+            if index as usize >= n {
+                return Err(ShotError::NoSuchScanout(n));
+            }
+            screenshot::capture(&state, index as usize).ok_or(ShotError::Blank)?
+        };
+        Ok(Screenshot {
+            width: image.width,
+            height: image.height,
+            png: screenshot::png_of(&image)?,
+        })
     }
 
     /// What scanout `index` shows now or, if it shows nothing, what it showed before the

@@ -43,13 +43,14 @@
 //! # The display
 //!
 //! [`VirtioGpuParent::handle`] gives the display of a live instance (its screenshot, mode,
-//! resource memory in use).
+//! resource memory in use); [`Parent::screenshot`] (`umdev screenshot`, `umdev view`) is
+//! its scanout as PNG: the picture copied under the device's state lock, encoded after it.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use umdev::device::Device;
-use umdev::instance::{CreateRequest, InstanceError, InstanceType, Parent, Resource};
+use umdev::instance::{CreateRequest, InstanceError, InstanceType, Parent, Resource, Screenshot};
 use umdev::pci::PciAdapter;
 use umdev::virtio::VirtioPci;
 
@@ -348,6 +349,21 @@ impl Parent for VirtioGpuParent {
                 needs: vec![(RESOURCE_MEMORY.to_owned(), t.memory_mib)],
             })
             .collect()
+    }
+
+    fn screenshot(&self, uuid: &str, scanout: u32) -> Option<Result<Screenshot, InstanceError>> {
+        let Some(handle) = self.handle(uuid) else {
+            return Some(Err(InstanceError::NoSuchInstance(uuid.to_owned())));
+        };
+        Some(
+            handle
+                .screenshot_png(scanout)
+                .map_err(|why| InstanceError::NothingShown {
+                    uuid: uuid.to_owned(),
+                    scanout,
+                    why: why.to_string(),
+                }),
+        )
     }
 
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {

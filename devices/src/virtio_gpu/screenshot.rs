@@ -43,6 +43,31 @@ impl Image {
     }
 }
 
+/// Why a scanout gives no picture ([`super::VirtioGpuHandle::screenshot_png`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ShotError {
+    /// The device has fewer scanouts.
+    #[error("does not exist (the device has {0} scanouts)")]
+    NoSuchScanout(usize),
+    /// The guest has not set the scanout to a resource (or disabled it, or reset the
+    /// device).
+    #[error("shows nothing yet: the guest has not set it to a resource (SET_SCANOUT)")]
+    Blank,
+    /// Encoding failed (a bug).
+    #[error("could not be encoded as PNG: {0}")]
+    Encode(String),
+}
+
+/// A PNG file of `image`.
+pub fn png_of(image: &Image) -> Result<Vec<u8>, ShotError> {
+    // Filtered PNG rows compress a desktop to a small fraction of its RGB size.
+    let mut out = Vec::with_capacity(image.rgb.len() / 4 + 1024);
+    image
+        .encode_png(&mut out)
+        .map_err(|e| ShotError::Encode(e.to_string()))?;
+    Ok(out)
+}
+
 /// `rect` (inside `r`) of resource `r` as RGBA.
 pub(crate) fn to_rgba(r: &Resource, rect: Rect) -> Vec<u8> {
     let (rgb, alpha) = format_channels(r.format);

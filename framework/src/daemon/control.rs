@@ -1,5 +1,9 @@
 //! The control socket: accept client connections, answer one request on each.
 //!
+//! What answers is a [`ControlHandler`]: the daemon's service, or (`umdev run
+//! --control`) a program's own that answers the few requests that make sense for one device
+//! (`screenshot`) and refuses the others; the bounds below hold for both.
+//!
 //! # Model
 //! One accept thread polls the listener and a wake-up eventfd. Each accepted connection is
 //! handled on a thread of its own (a removal may wait for a client for seconds; other
@@ -42,8 +46,24 @@ use crate::server::listener::{AcceptBackoff, Accepted, SocketListener};
 use tracing::{debug, info, warn};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::protocol::{self, ControlError, DecodeError, ErrorKind, FrameError, Response};
+use super::protocol::{
+    self, ControlError, DecodeError, ErrorKind, FrameError, Reply, Request, Response,
+};
 use super::service::{Payload, Service};
+
+/// What answers the requests of a control socket ([`Control::spawn`]). Called on a thread
+/// of the request's own, with the payload the request announced already read (and
+/// bounded); the reply's payload ([`Reply::payload_len`] bytes) is written after it.
+pub trait ControlHandler: Send + Sync + 'static {
+    /// Answer `request` (and its `payload`: `migrate_load`'s state; empty for the others).
+    fn handle(&self, request: Request, payload: Vec<u8>) -> Result<(Reply, Payload), ControlError>;
+}
+
+impl ControlHandler for Service {
+    fn handle(&self, request: Request, payload: Vec<u8>) -> Result<(Reply, Payload), ControlError> {
+        self.handle_with_payload(request, payload)
+    }
+}
 
 /// Connections handled at once.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -75,7 +95,7 @@ pub struct Control {
 /// What every request thread shares.
 #[derive(Clone)]
 struct Shared {
-    service: Arc<Service>,
+    service: Arc<dyn ControlHandler>,
     config: ControlConfig,
     /// Payload bytes announced by the requests being received ([`PAYLOAD_BUDGET`]).
     payload_in_hand: Arc<AtomicU64>,
@@ -168,7 +188,7 @@ impl Control {
     /// Serve `listener` (already bound) with `service`.
     pub fn spawn(
         listener: SocketListener,
-        service: Arc<Service>,
+        service: Arc<dyn ControlHandler>,
         config: ControlConfig,
     ) -> std::io::Result<Control> {
         listener.listener.set_nonblocking(true)?;
@@ -437,7 +457,7 @@ fn serve_one(stream: &UnixStream, shared: &Shared) {
     drop(reader);
     debug!(?request, payload = payload.len(), "control request");
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        shared.service.handle_with_payload(request, payload)
+        shared.service.handle(request, payload)
     }))
     .unwrap_or_else(|_| {
         Err(ControlError::new(
@@ -445,8 +465,13 @@ fn serve_one(stream: &UnixStream, shared: &Shared) {
             "the daemon failed handling the request (a bug; its log has the panic)",
         ))
     });
-    if let Err(e) = &result {
-        info!(kind = ?e.kind, error = %e.message, "control request refused");
+    match &result {
+        // A live view asks several times a second while the guest shows nothing yet.
+        Err(e) if e.kind == ErrorKind::NothingShown => {
+            debug!(error = %e.message, "control request refused")
+        }
+        Err(e) => info!(kind = ?e.kind, error = %e.message, "control request refused"),
+        Ok(_) => {}
     }
     answer_with(stream, reply_deadline(), result);
 }

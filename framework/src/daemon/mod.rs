@@ -97,8 +97,10 @@ use crate::instance::{InstanceError, InstanceInfo, Parent, Registry, RegistryCon
 use crate::server::listener::SocketListener;
 use crate::server::{ServerConfig, ServerError, TerminationSignals};
 
+pub use control::{Control, ControlConfig, ControlHandler, MAX_CONNECTIONS, PAYLOAD_BUDGET};
 use protocol::ControlError;
 use service::MigrationCheck;
+pub use service::Payload;
 pub use stop::StopHandle;
 
 /// An error a parent factory ([`DaemonBuilder::parent_with`]) returns.

@@ -11,6 +11,7 @@
 //! # Payloads
 //! Two messages carry a migrated instance's state, raw, right after their newline: the
 //! `migrate_load` request and the `saved` reply to `migrate_save` (`state_len` bytes each).
+//! The `screenshot` reply to `screenshot` carries a PNG file the same way (`png_len` bytes).
 //! Binary after the JSON line rather than base64 inside it: no encoding crate, no third
 //! more bytes, and the JSON line keeps its [`MAX_MESSAGE`] bound; a payload is bounded by
 //! [`MAX_PAYLOAD`] and must arrive whole.
@@ -185,6 +186,18 @@ pub enum Request {
         /// The UUID.
         uuid: String,
     },
+    /// `umdev screenshot`, `umdev view`: what a scanout of a running instance shows now
+    /// (the cursor drawn in), as PNG. The reply ([`Reply::Screenshot`]) is followed by its
+    /// `png_len` bytes. A daemon needs `uuid`; the control socket of `umdev run` (one
+    /// device) takes it absent.
+    Screenshot {
+        /// The instance (absent: the only device, on `umdev run`'s control socket).
+        #[serde(default)]
+        uuid: Option<String>,
+        /// The scanout (display), from 0.
+        #[serde(default)]
+        scanout: u32,
+    },
 }
 
 impl Request {
@@ -254,6 +267,8 @@ pub enum Reply {
     Removed(RemovedReply),
     /// `migrate_save`; the state follows the reply.
     Saved(SavedReply),
+    /// `screenshot`; the PNG follows the reply.
+    Screenshot(ScreenshotReply),
 }
 
 impl Reply {
@@ -261,6 +276,7 @@ impl Reply {
     pub fn payload_len(&self) -> u64 {
         match self {
             Reply::Saved(r) => r.state_len,
+            Reply::Screenshot(r) => r.png_len,
             _ => 0,
         }
     }
@@ -277,6 +293,22 @@ pub struct SavedReply {
     /// The instance was handed over (removed here, its state kept until `migrate_finish`
     /// or `migrate_abort`); false with `keep_source`.
     pub handed_over: bool,
+}
+
+/// Reply to `screenshot`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScreenshotReply {
+    /// The instance (absent from `umdev run`, which serves one device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// The scanout.
+    pub scanout: u32,
+    /// Width of the image, pixels.
+    pub width: u32,
+    /// Height of the image, pixels.
+    pub height: u32,
+    /// Length of the PNG file that follows the reply (at most [`MAX_PAYLOAD`]).
+    pub png_len: u64,
 }
 
 /// What one instance of a type takes of a resource.
@@ -590,6 +622,14 @@ pub enum ErrorKind {
     Migration,
     /// The UUID was handed over to another daemon by `umdev migrate`, not yet settled.
     MigratingOut,
+    /// The instance's device has no display (`screenshot` of an nvme or ccw instance).
+    NoDisplay,
+    /// The display shows nothing now (the guest has not set a scanout), or has no such
+    /// scanout.
+    NothingShown,
+    /// The request is not served here (`umdev run`'s control socket answers `screenshot`
+    /// only).
+    Unsupported,
 }
 
 /// A failure, as the client shows it.
@@ -797,6 +837,33 @@ mod tests {
                 force: false
             }
         );
+    }
+
+    #[test]
+    fn test_screenshot_request_defaults_and_reply_announces_png() {
+        let r: Request = serde_json::from_str(r#"{"op":"screenshot"}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::Screenshot {
+                uuid: None,
+                scanout: 0
+            }
+        );
+        assert_eq!(r.payload_len(), 0);
+        let reply = Reply::Screenshot(ScreenshotReply {
+            uuid: Some("u".into()),
+            scanout: 1,
+            width: 64,
+            height: 32,
+            png_len: 1234,
+        });
+        assert_eq!(reply.payload_len(), 1234);
+        let text = serde_json::to_string(&reply).unwrap();
+        assert!(
+            text.starts_with(r#"{"reply":"screenshot","uuid":"u""#),
+            "{text}"
+        );
+        assert_eq!(serde_json::from_str::<Reply>(&text).unwrap(), reply);
     }
 
     #[test]

@@ -45,8 +45,8 @@ use tracing::{info, warn};
 use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
 use super::protocol::{
     BrokenRow, ControlError, DefinedReply, DefinitionRow, DefinitionsReply, ErrorKind, InstanceRow,
-    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, SavedReply, StartedReply,
-    TypeRow, TypesReply, UndefinedReply,
+    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, SavedReply, ScreenshotReply,
+    StartedReply, TypeRow, TypesReply, UndefinedReply,
 };
 
 /// The definitions in memory.
@@ -129,6 +129,7 @@ enum Op {
     Stop,
     Remove,
     Migrate,
+    Screenshot,
 }
 
 /// The control error of a registry error during `op` on `uuid`.
@@ -170,6 +171,12 @@ fn instance_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
         )),
         InstanceError::NotMigratable { .. } => err(ErrorKind::NotMigratable),
         InstanceError::Migration { .. } => err(ErrorKind::Migration),
+        InstanceError::NoDisplay { .. } => err(ErrorKind::NoDisplay)
+            .hint("only virtio-gpu instances have a display (`umdev list` shows the types)"),
+        InstanceError::NothingShown { .. } => err(ErrorKind::NothingShown).hint(
+            "the guest's driver sets a scanout when it starts (the console or a desktop); \
+             try again once the guest has booted",
+        ),
     }
 }
 
@@ -325,6 +332,9 @@ impl Service {
             } => self.migrate_load(&uuid, &type_spec, &params, define, autostart, &payload),
             Request::MigrateFinish { uuid } => self.migrate_finish(&uuid),
             Request::MigrateAbort { uuid } => self.migrate_abort(&uuid),
+            Request::Screenshot { uuid, scanout } => {
+                return self.screenshot(uuid.as_deref(), scanout)
+            }
             other => self.handle_plain(other),
         }?;
         Ok((reply, Payload::default()))
@@ -354,9 +364,10 @@ impl Service {
             Request::MigrateSave { .. }
             | Request::MigrateLoad { .. }
             | Request::MigrateFinish { .. }
-            | Request::MigrateAbort { .. } => Err(ControlError::new(
+            | Request::MigrateAbort { .. }
+            | Request::Screenshot { .. } => Err(ControlError::new(
                 ErrorKind::Internal,
-                "a migration request without its payload handling (a bug)",
+                "a request with a payload without its payload handling (a bug)",
             )),
         }
     }
@@ -398,6 +409,45 @@ impl Service {
             handed_over: !keep_source,
         };
         Ok((Reply::Saved(reply), state))
+    }
+
+    /// `screenshot`: what a scanout of running instance `uuid` shows, as PNG (the payload).
+    fn screenshot(
+        &self,
+        uuid: Option<&str>,
+        scanout: u32,
+    ) -> Result<(Reply, Payload), ControlError> {
+        let uuid = uuid.ok_or_else(|| {
+            ControlError::new(
+                ErrorKind::BadParam,
+                "a daemon serves many instances: the screenshot request needs a UUID",
+            )
+            .hint("`umdev list` lists the running instances")
+        })?;
+        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let shot = self
+            .registry
+            .screenshot(&uuid, scanout)
+            .map_err(|e| match e {
+                InstanceError::NoSuchInstance(_) => instance_error(e, Op::Screenshot, &uuid)
+                    .hint("`umdev list` lists the running instances"),
+                e => instance_error(e, Op::Screenshot, &uuid),
+            })?;
+        let png_len = shot.png.len() as u64;
+        if png_len > super::protocol::MAX_PAYLOAD {
+            return Err(ControlError::new(
+                ErrorKind::Internal,
+                format!("instance {uuid}: a PNG of {png_len} bytes is larger than a reply carries"),
+            ));
+        }
+        let reply = ScreenshotReply {
+            uuid: Some(uuid),
+            scanout,
+            width: shot.width,
+            height: shot.height,
+            png_len,
+        };
+        Ok((Reply::Screenshot(reply), Arc::new(shot.png)))
     }
 
     /// Hand the instance over: mark its definition (a restart from here on does not start
@@ -1160,6 +1210,44 @@ mod tests {
         registry.add_parent(gpu.clone()).unwrap();
         let store = Store::open(dir.join("definitions")).unwrap();
         Service::new(registry, vec![gpu], store, Loaded::default(), Vec::new())
+    }
+
+    #[test]
+    fn test_service_screenshot_no_display_no_uuid_unknown_uuid_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = service(dir.path());
+        let Reply::Started(started) = s
+            .handle(Request::Create {
+                type_spec: "gpu-4m".into(),
+                uuid: None,
+                params: Params::new(),
+                auto: false,
+            })
+            .unwrap()
+        else {
+            panic!("not started");
+        };
+        let shot = |uuid: Option<&str>| {
+            s.handle_with_payload(
+                Request::Screenshot {
+                    uuid: uuid.map(str::to_owned),
+                    scanout: 0,
+                },
+                Vec::new(),
+            )
+            .unwrap_err()
+        };
+        let u = started.instance.uuid;
+        let e = shot(Some(&u));
+        assert_eq!(e.kind, ErrorKind::NoDisplay, "{e:?}");
+        assert_eq!(
+            e.message,
+            format!("instance {u} of type gpu/gpu-4m has no display")
+        );
+        assert_eq!(shot(None).kind, ErrorKind::BadParam);
+        let e = shot(Some("6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11"));
+        assert_eq!(e.kind, ErrorKind::NoSuchInstance, "{e:?}");
+        assert_eq!(s.stop_all(), 0);
     }
 
     #[test]

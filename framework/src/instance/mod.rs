@@ -71,5 +71,7 @@ mod parent;
 pub mod registry;
 
 pub use info::{InstanceInfo, RemovalReport, ResourceUsage, TypeInfo};
-pub use parent::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
+pub use parent::{
+    CreateRequest, InstanceError, InstanceType, Params, Parent, Resource, Screenshot,
+};
 pub use registry::{Registry, RegistryConfig, INSTANCES_RESOURCE};

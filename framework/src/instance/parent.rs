@@ -69,6 +69,17 @@ pub struct CreateRequest<'a> {
     pub params: &'a Params,
 }
 
+/// What a display shows, as [`Parent::screenshot`] gives it: a PNG image of its size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Screenshot {
+    /// Width, pixels.
+    pub width: u32,
+    /// Height, pixels.
+    pub height: u32,
+    /// The PNG file.
+    pub png: Vec<u8>,
+}
+
 /// Why an instance operation failed. Each variant names what the admin needs to know.
 #[derive(Debug, thiserror::Error)]
 pub enum InstanceError {
@@ -163,6 +174,25 @@ pub enum InstanceError {
         #[source]
         source: crate::migration::MigrationError,
     },
+    /// The instance's device has no display ([`Parent::screenshot`] is `None`).
+    #[error("instance {uuid} of type {type_name} has no display")]
+    NoDisplay {
+        /// The instance.
+        uuid: String,
+        /// Its type (`<parent>/<type>`).
+        type_name: String,
+    },
+    /// The display shows nothing now (the guest has not set a scanout, or reset it), or the
+    /// device has no such scanout.
+    #[error("instance {uuid}: scanout {scanout} {why}")]
+    NothingShown {
+        /// The instance.
+        uuid: String,
+        /// The scanout asked for.
+        scanout: u32,
+        /// What is the matter (`"shows nothing yet: ..."`, `"does not exist (...)"`).
+        why: String,
+    },
     /// An I/O error (sockets, files).
     #[error("{what}")]
     Io {
@@ -207,4 +237,14 @@ pub trait Parent: Send + Sync {
     /// The device is dropped when the instance is removed; whatever it borrowed from the
     /// parent goes back then.
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError>;
+
+    /// What scanout `scanout` of live instance `uuid` shows now, as PNG (a cursor drawn
+    /// in). `None`: the parent's devices have no display (the default), which the registry
+    /// reports as [`InstanceError::NoDisplay`]; `Some(Err(`[`InstanceError::NothingShown`]`))`
+    /// when the display shows nothing. Called from a control request thread, not under any
+    /// lock of the registry: a parent takes its device's own lock only to copy the picture
+    /// and encodes it outside that lock, so a screenshot does not stall the device.
+    fn screenshot(&self, _uuid: &str, _scanout: u32) -> Option<Result<Screenshot, InstanceError>> {
+        None
+    }
 }

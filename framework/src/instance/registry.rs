@@ -91,7 +91,7 @@ use tracing::{error, info, warn};
 
 use super::availability;
 use super::info::{InstanceInfo, RemovalReport, ResourceUsage, TypeInfo};
-use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
+use super::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource, Screenshot};
 use crate::device::{Device, DeviceError};
 use crate::dma::{DmaConfig, DmaSpace, MapPool};
 use crate::migration::stream::{self, StreamReader};
@@ -728,6 +728,29 @@ impl Registry {
         self.get(uuid)?
             .info()
             .ok_or_else(|| InstanceError::NoSuchInstance(uuid.to_owned()))
+    }
+
+    /// What scanout `scanout` of served instance `uuid` shows, as PNG
+    /// ([`Parent::screenshot`]): [`InstanceError::NoDisplay`] for a parent whose devices
+    /// have none. No lock of the registry is held while the parent captures and encodes.
+    pub fn screenshot(&self, uuid: &str, scanout: u32) -> Result<Screenshot, InstanceError> {
+        let instance = self.get(uuid)?;
+        if instance.info().is_none() || instance.removing.load(Ordering::Acquire) {
+            return Err(InstanceError::NoSuchInstance(uuid.to_owned()));
+        }
+        let parent = self
+            .parents()
+            .into_iter()
+            .find(|p| p.name() == instance.parent)
+            .ok_or_else(|| InstanceError::NoSuchInstance(uuid.to_owned()))?;
+        parent
+            .screenshot(&instance.uuid, scanout)
+            .unwrap_or_else(|| {
+                Err(InstanceError::NoDisplay {
+                    uuid: instance.uuid.clone(),
+                    type_name: format!("{}/{}", instance.parent, instance.type_name),
+                })
+            })
     }
 
     /// Remove an instance (see the module docs for the protocol with an attached client).
