@@ -466,7 +466,8 @@ mod tests {
         let stalled: Vec<TcpStream> = (0..MAX_CONNECTIONS)
             .map(|_| TcpStream::connect(v.addr()).unwrap())
             .collect();
-        std::thread::sleep(Duration::from_millis(300));
+        // A second for all of them to be accepted, even on a loaded host...
+        std::thread::sleep(Duration::from_secs(1));
         // ...so the next one is refused at once, not queued behind them.
         // (A reset instead of the 503 is a refusal too: the request may arrive after it.)
         let t0 = Instant::now();
