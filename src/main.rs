@@ -56,6 +56,9 @@ enum Command {
     Screenshot(display::ScreenshotArgs),
     /// Serve a live view of a virtio-gpu's scanout to a browser (HTTP), until Ctrl-C.
     View(display::ViewArgs),
+    /// Give a virtio-gpu's scanout a new mode, as plugging in another monitor would (the
+    /// guest's driver is told): an instance of the daemon, or `umdev run --control`'s.
+    Resize(display::ResizeArgs),
     /// What this host has and lacks for umdev: memlock, map count, huge pages, QEMU,
     /// the daemon's directories.
     Check(check::CheckArgs),
@@ -73,6 +76,7 @@ fn main() {
         Command::Bench(_)
         | Command::Instances(_)
         | Command::Screenshot(_)
+        | Command::Resize(_)
         | Command::Check(_)
         | Command::Completions(_)
         | Command::Man(_) => "warn",
@@ -87,6 +91,7 @@ fn main() {
         Command::Instances(command) => daemon::client::run(command),
         Command::Screenshot(args) => display::screenshot(args),
         Command::View(args) => display::view(args),
+        Command::Resize(args) => display::resize(args),
         Command::Check(args) => check::run(args),
         Command::Completions(args) => completions::completions(args, Cli::command()),
         Command::Man(args) => completions::man(args, Cli::command()),

@@ -45,8 +45,8 @@ fn request(vmm: &mut Vmm, drv: &mut VirtioDriver, words: &[u32], tail: &[u8]) ->
 }
 
 /// Attach to the virtio-gpu on `sock` and show a W×H resource on scanout 0: red in the left
-/// half, green in the right. The returned client stays attached.
-fn draw_stripes(sock: &Path) -> Vmm {
+/// half, green in the right. The returned client and driver stay attached.
+fn draw_stripes(sock: &Path) -> (Vmm, VirtioDriver) {
     let mut vmm = Vmm::connect(sock).unwrap().with_ram(RAM, 1 << 20).unwrap();
     vmm.enable_device().unwrap();
     let mut drv = VirtioDriver::probe(&mut vmm).unwrap();
@@ -74,7 +74,31 @@ fn draw_stripes(sock: &Path) -> Vmm {
     assert_eq!(request(&mut vmm, &mut drv, &scanout, &[]), ok);
     let transfer = [&hdr(0x105)[..], &[0, 0, W, H, 0, 0, 1, 0]].concat();
     assert_eq!(request(&mut vmm, &mut drv, &transfer, &[]), ok);
-    vmm
+    (vmm, drv)
+}
+
+/// What the guest's driver learns after a host resize: the display event in the config
+/// space's `events_read`, and scanout 0's mode from GET_DISPLAY_INFO.
+fn guest_sees(vmm: &mut Vmm, drv: &mut VirtioDriver) -> (u32, (u32, u32)) {
+    let mut ev = [0u8; 4];
+    drv.read_config(vmm, 0, &mut ev).unwrap();
+    let req: Vec<u8> = [0x100u32, 0, 0, 0, 0, 0]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    vmm.ram().write(REQ, &req).unwrap();
+    let head = drv
+        .add_chain(vmm, 0, &[(REQ, 24, false), (RESP, 24 + 16 * 24, true)])
+        .unwrap();
+    drv.publish(vmm, 0, head).unwrap();
+    drv.kick(vmm, 0).unwrap();
+    drv.wait_used(vmm, 0, Duration::from_secs(5))
+        .unwrap()
+        .expect("no response");
+    let r = vmm.ram().read_vec(RESP, 48).unwrap();
+    let word = |at: usize| u32::from_le_bytes(r[at..at + 4].try_into().unwrap());
+    assert_eq!(word(0), 0x1101, "RESP_OK_DISPLAY_INFO");
+    (u32::from_le_bytes(ev), (word(32), word(36)))
 }
 
 /// Decode a PNG: (width, height, RGB pixels).
@@ -173,7 +197,7 @@ fn test_daemon_screenshot_png_matches_what_the_guest_drew() {
     assert!(err.contains("shows nothing yet"), "{err}");
     assert!(!out.exists());
 
-    let _vmm = draw_stripes(&sock);
+    let _guest = draw_stripes(&sock);
     let said = d.ok(&["screenshot", &uuid, "-o", out_s]);
     assert!(
         said.contains(&format!("{W}x{H}")) && said.contains(out_s),
@@ -221,17 +245,51 @@ fn test_daemon_screenshot_errors_unknown_uuid_no_display_unwritable() {
     assert_eq!(v["error"]["kind"], "no_display");
 
     let (vgpu, sock) = create(&d, "vgpu-720p");
-    let _vmm = draw_stripes(&sock);
+    let _guest = draw_stripes(&sock);
     let err = d.fail(&["screenshot", &vgpu, "-o", "/nonexistent/dir/x.png"]);
     assert!(err.contains("cannot write /nonexistent/dir/x.png"), "{err}");
     assert!(!out.exists());
 }
 
 #[test]
+fn test_daemon_resize_tells_the_guest_and_refuses_what_it_cannot_show() {
+    let d = Daemon::start(&[]);
+    let (uuid, sock) = create(&d, "vgpu-720p");
+    let (mut vmm, mut drv) = draw_stripes(&sock);
+    assert_eq!(guest_sees(&mut vmm, &mut drv), (0, (1280, 720)));
+
+    let said = d.ok(&["resize", &uuid, "--size", "1024x768"]);
+    assert!(said.contains("is now 1024x768"), "{said}");
+    assert_eq!(guest_sees(&mut vmm, &mut drv), (1, (1024, 768)));
+    let v = d.json(&["resize", &uuid, "--size", "800x600"]);
+    assert_eq!(v["resized"]["width"], 800);
+    assert_eq!(v["resized"]["uuid"], uuid.as_str());
+    assert_eq!(guest_sees(&mut vmm, &mut drv).1, (800, 600));
+
+    // Refused: sizes an EDID cannot describe, a scanout it lacks, what is not WxH, an
+    // instance without a display, no UUID. None of them changes the mode.
+    let err = d.fail(&["resize", &uuid, "--size", "4096x600"]);
+    assert!(err.contains("4096x600 is not a mode it can show"), "{err}");
+    let err = d.fail(&["resize", &uuid, "--size", "0x600"]);
+    assert!(err.contains("each side 1 to 4095"), "{err}");
+    let err = d.fail(&["resize", &uuid, "--size", "640x480", "--scanout", "3"]);
+    assert!(err.contains("no such scanout (the device has 1)"), "{err}");
+    let bad = d.umdev(&["resize", &uuid, "--size", "1024"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("is not WIDTHxHEIGHT"));
+    let (ccw, _) = create(&d, "ccw-16m");
+    let err = d.fail(&["resize", &ccw, "--size", "640x480"]);
+    assert!(err.contains("has no display"), "{err}");
+    let err = d.fail(&["resize", "--size", "640x480"]);
+    assert!(err.contains("the resize request needs a UUID"), "{err}");
+    assert_eq!(guest_sees(&mut vmm, &mut drv).1, (800, 600));
+}
+
+#[test]
 fn test_daemon_view_serves_png_and_page_404_405() {
     let d = Daemon::start(&[]);
     let (uuid, sock) = create(&d, "vgpu-720p");
-    let _vmm = draw_stripes(&sock);
+    let _guest = draw_stripes(&sock);
     let log = d.dir.path().join("view.log");
     let mut view = Killed(
         Command::new(BIN)
@@ -314,7 +372,7 @@ fn test_run_control_screenshot_and_view_show_what_the_guest_drew() {
     assert_eq!(status, 503);
     assert!(String::from_utf8_lossy(&body).contains("shows nothing yet"));
 
-    let _vmm = draw_stripes(&sock);
+    let mut guest = draw_stripes(&sock);
     let shot = umdev(&["screenshot", "-o", out_s]);
     assert!(
         shot.status.success(),
@@ -361,6 +419,23 @@ fn test_run_control_screenshot_and_view_show_what_the_guest_drew() {
     assert_eq!(list.status.code(), Some(1));
     let err = String::from_utf8_lossy(&list.stderr);
     assert!(err.contains("answers `umdev screenshot`"), "{err}");
+
+    // A host resize through run's control socket reaches the guest's driver.
+    let resized = umdev(&["resize", "--size", "48x16"]);
+    assert!(
+        resized.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resized.stderr)
+    );
+    let (vmm, drv) = &mut guest;
+    assert_eq!(guest_sees(vmm, drv), (1, (48, 16)));
+    let with_uuid = umdev(&[
+        "resize",
+        "6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11",
+        "--size",
+        "48x16",
+    ]);
+    assert!(String::from_utf8_lossy(&with_uuid.stderr).contains("leave out the UUID"));
 
     // SAFETY: sending SIGTERM to our own child process.
     assert_eq!(unsafe { libc::kill(run.0.id() as i32, libc::SIGTERM) }, 0);

@@ -9,7 +9,7 @@ use umdev::pci::PciAdapter;
 use umdev::testing::{DeviceAccess, EventFd, TestServer, VirtioDriver, Vmm};
 use umdev::virtio::{VirtioPci, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use umdev_devices::virtio_gpu::protocol::{cmd, resp, VIRTIO_GPU_FLAG_FENCE, VIRTIO_GPU_F_EDID};
-use umdev_devices::virtio_gpu::{VirtioGpu, VirtioGpuConfig, VirtioGpuHandle};
+use umdev_devices::virtio_gpu::{ResizeError, VirtioGpu, VirtioGpuConfig, VirtioGpuHandle};
 
 const RAM: u64 = 0x10_0000;
 const RAM_SIZE: usize = 4 << 20;
@@ -458,7 +458,7 @@ fn test_virtio_gpu_cursor_is_drawn_in_the_screenshot() {
 #[test]
 fn test_virtio_gpu_host_resize_raises_the_display_event() {
     let mut g = start(VirtioGpuConfig::default());
-    assert!(g.gpu.resize(0, 1920, 1080));
+    g.gpu.resize(0, 1920, 1080).unwrap();
     assert!(
         g.vmm.wait_irq_serving(&g.msix[0], WAIT).unwrap(),
         "no config interrupt"
@@ -474,5 +474,19 @@ fn test_virtio_gpu_host_resize_raises_the_display_event() {
     let r = g.call(&hdr(cmd::GET_DISPLAY_INFO, None), 24 + 16 * 24);
     assert_eq!(u32::from_le_bytes(r[32..36].try_into().unwrap()), 1920);
     assert_eq!(u32::from_le_bytes(r[36..40].try_into().unwrap()), 1080);
-    assert!(!g.gpu.resize(3, 800, 600), "no scanout 3");
+    assert_eq!(
+        g.gpu.resize(3, 800, 600),
+        Err(ResizeError::NoSuchScanout(1))
+    );
+    assert_eq!(
+        g.gpu.resize(0, 0, 600),
+        Err(ResizeError::OutOfRange(0, 600))
+    );
+    assert_eq!(
+        g.gpu.resize(0, 800, 4096),
+        Err(ResizeError::OutOfRange(800, 4096))
+    );
+    // A refused resize changed nothing.
+    let r = g.call(&hdr(cmd::GET_DISPLAY_INFO, None), 24 + 16 * 24);
+    assert_eq!(u32::from_le_bytes(r[32..36].try_into().unwrap()), 1920);
 }

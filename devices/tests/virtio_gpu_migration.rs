@@ -720,7 +720,7 @@ fn section_bytes() -> &'static [u8] {
 fn test_virtio_gpu_migration_resize_while_stopped_interrupts_only_at_running() {
     let mut g = start(VirtioGpuConfig::default());
     g.server.device().device_mut().stop().unwrap();
-    assert!(g.gpu.resize(0, 800, 600));
+    g.gpu.resize(0, 800, 600).unwrap();
     assert!(
         !g.vmm
             .wait_irq_serving(&g.msix[0], Duration::from_millis(50))

@@ -22,6 +22,7 @@ pub fn json(reply: &Reply) -> String {
         Reply::Removed(r) => serde_json::to_value(r),
         Reply::Saved(r) => serde_json::to_value(r),
         Reply::Screenshot(r) => serde_json::to_value(r),
+        Reply::Resized(r) => serde_json::to_value(r),
     };
     let value = value.unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }));
     format!("{value:#}\n")
@@ -70,6 +71,7 @@ pub fn human(request: &Request, reply: &Reply, bold: bool) -> String {
             "scanout {} ({}x{}, {} bytes of PNG)\n",
             r.scanout, r.width, r.height, r.png_len
         ),
+        Reply::Resized(r) => format!("scanout {} is now {}x{}\n", r.scanout, r.width, r.height),
     }
 }
 

@@ -54,6 +54,87 @@ pub struct ScreenshotArgs {
     pub common: Common,
 }
 
+/// Arguments of `umdev resize`.
+#[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  umdev resize 6f1a0c36-5a0e-4c8e-9d1b-3f2b6c0e8a11 --size 1920x1080
+                                   an instance of the daemon
+  umdev resize --control /tmp/vgpu.ctl --size 1024x768
+                                   the device of `umdev run virtio-gpu --control`
+
+As plugging in another monitor: the device raises its display event, the guest's driver
+reads the new mode (GET_DISPLAY_INFO and the EDID, which lists it as preferred) and a
+desktop or fbcon switches to it. The guest allocates the new framebuffer within the
+instance's resource memory: a mode larger than that budget allows is refused by the device
+when the guest asks (ERR_OUT_OF_MEMORY), not here. Fails (status 1) for an unknown UUID, an
+instance without a display, a scanout the device does not have, or a side outside 1-4095.")]
+pub struct ResizeArgs {
+    /// The instance's UUID (a daemon's); leave it out for `umdev run --control`.
+    pub uuid: Option<String>,
+    /// The new mode, WIDTHxHEIGHT in pixels (e.g. 1920x1080).
+    #[arg(long, value_name = "WxH", value_parser = parse_size)]
+    pub size: (u32, u32),
+    /// Which scanout (display), from 0.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub scanout: u32,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+/// `1920x1080` as (1920, 1080).
+fn parse_size(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{s:?} is not WIDTHxHEIGHT (e.g. 1920x1080)");
+    let (w, h) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+    Ok((w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?))
+}
+
+/// Entry point of `umdev resize`.
+pub fn resize(args: ResizeArgs) -> CliResult {
+    let control = args
+        .common
+        .control
+        .clone()
+        .unwrap_or_else(paths::default_control);
+    let (width, height) = args.size;
+    let request = Request::Resize {
+        uuid: args.uuid.clone(),
+        scanout: args.scanout,
+        width,
+        height,
+    };
+    let reply = match call_with_payload(&control, &request, &[]) {
+        Ok((Reply::Resized(r), _)) => r,
+        Ok((other, _)) => {
+            return Err(ClientError::Protocol {
+                path: control,
+                why: format!("a {other:?} reply to a resize request"),
+            }
+            .into())
+        }
+        Err(e) => {
+            if let (true, ClientError::Daemon(error)) = (args.common.json, &e) {
+                println!("{:#}", serde_json::json!({ "error": error }));
+            }
+            return Err(e.into());
+        }
+    };
+    if args.common.json {
+        println!("{:#}", serde_json::json!({ "resized": reply }));
+    } else {
+        let of = reply
+            .uuid
+            .as_ref()
+            .map(|u| format!(" of {u}"))
+            .unwrap_or_default();
+        println!(
+            "scanout {}{of} is now {}x{}: the guest's driver was told (display event)",
+            reply.scanout, reply.width, reply.height
+        );
+    }
+    Ok(())
+}
+
 /// Arguments of `umdev view`.
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\

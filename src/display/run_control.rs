@@ -2,12 +2,15 @@
 //! that `umdev screenshot --control PATH` and `umdev view --control PATH` work as they do
 //! against a daemon. It speaks the daemon's control protocol, with its bounds
 //! ([`umdev::daemon::Control`]: owner-only socket, deadlines, a connection limit), and
-//! answers `screenshot` without a UUID; every other request is refused as unsupported.
+//! answers `screenshot` and `resize` without a UUID; every other request is refused as
+//! unsupported.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use umdev::daemon::protocol::{ControlError, ErrorKind, Reply, Request, ScreenshotReply};
+use umdev::daemon::protocol::{
+    ControlError, ErrorKind, Reply, Request, ResizedReply, ScreenshotReply,
+};
 use umdev::daemon::{Control, ControlConfig, ControlHandler, Payload};
 use umdev::server::listener::SocketListener;
 use umdev_devices::virtio_gpu::{ShotError, VirtioGpuHandle};
@@ -31,6 +34,14 @@ impl RunControl {
     }
 }
 
+/// The error for a request naming an instance: `umdev run` serves one device, no UUIDs.
+fn no_instance(uuid: &str) -> ControlError {
+    ControlError::new(
+        ErrorKind::NoSuchInstance,
+        format!("this is `umdev run`'s control socket: one device, no instance {uuid}"),
+    )
+}
+
 impl ControlHandler for RunControl {
     fn handle(
         &self,
@@ -38,11 +49,8 @@ impl ControlHandler for RunControl {
         _payload: Vec<u8>,
     ) -> Result<(Reply, Payload), ControlError> {
         match request {
-            Request::Screenshot { uuid: Some(u), .. } => Err(ControlError::new(
-                ErrorKind::NoSuchInstance,
-                format!("this is `umdev run`'s control socket: one device, no instance {u}"),
-            )
-            .hint("leave out the UUID (`umdev screenshot --control PATH -o FILE`)")),
+            Request::Screenshot { uuid: Some(u), .. } => Err(no_instance(&u)
+                .hint("leave out the UUID (`umdev screenshot --control PATH -o FILE`)")),
             Request::Screenshot {
                 uuid: None,
                 scanout,
@@ -70,10 +78,32 @@ impl ControlHandler for RunControl {
                 };
                 Ok((Reply::Screenshot(reply), Arc::new(shot.png)))
             }
+            Request::Resize { uuid: Some(u), .. } => Err(no_instance(&u)
+                .hint("leave out the UUID (`umdev resize --control PATH --size WxH`)")),
+            Request::Resize {
+                uuid: None,
+                scanout,
+                width,
+                height,
+            } => {
+                self.display
+                    .resize(scanout as usize, width, height)
+                    .map_err(|e| {
+                        ControlError::new(ErrorKind::BadParam, format!("scanout {scanout}: {e}"))
+                    })?;
+                tracing::info!(scanout, width, height, "display resized from the host");
+                let reply = ResizedReply {
+                    uuid: None,
+                    scanout,
+                    width,
+                    height,
+                };
+                Ok((Reply::Resized(reply), Payload::default()))
+            }
             _ => Err(ControlError::new(
                 ErrorKind::Unsupported,
-                "this is `umdev run`'s control socket: it answers `umdev screenshot` and \
-                 `umdev view` only",
+                "this is `umdev run`'s control socket: it answers `umdev screenshot`, \
+                 `umdev view` and `umdev resize` only",
             )
             .hint("the instance commands (`umdev list`, `create`, ...) are `umdev daemon`'s")),
         }

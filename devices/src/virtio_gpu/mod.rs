@@ -177,17 +177,21 @@ impl VirtioGpuHandle {
     }
 
     /// Change scanout `index`'s mode from the host: the driver sees the display event and
-    /// reads the new mode with GET_DISPLAY_INFO. False if there is no such scanout or a
-    /// side is out of range.
-    pub fn resize(&self, index: usize, width: u32, height: u32) -> bool {
-        if !(1..=EDID_MAX_DIM).contains(&width) || !(1..=EDID_MAX_DIM).contains(&height) {
-            return false;
+    /// reads the new mode with GET_DISPLAY_INFO (and the EDID, which describes it). The
+    /// guest then allocates a resource of the new size within the instance's budget.
+    pub fn resize(&self, index: usize, width: u32, height: u32) -> Result<(), ResizeError> {
+        for side in [width, height] {
+            if !(1..=EDID_MAX_DIM).contains(&side) {
+                return Err(ResizeError::OutOfRange(width, height));
+            }
         }
         {
             let mut s = lock(&self.state);
-            let Some(scanout) = s.scanouts.get_mut(index) else {
-                return false;
-            };
+            let n = s.scanouts.len();
+            let scanout = s
+                .scanouts
+                .get_mut(index)
+                .ok_or(ResizeError::NoSuchScanout(n))?;
             scanout.width = width;
             scanout.height = height;
         }
@@ -195,8 +199,19 @@ impl VirtioGpuHandle {
         if let Some(n) = &*self.notifier.lock().unwrap_or_else(|e| e.into_inner()) {
             n.notify();
         }
-        true
+        Ok(())
     }
+}
+
+/// Why a host resize was refused ([`VirtioGpuHandle::resize`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ResizeError {
+    /// The device has fewer scanouts.
+    #[error("no such scanout (the device has {0})")]
+    NoSuchScanout(usize),
+    /// A side is 0 or larger than an EDID describes.
+    #[error("{0}x{1} is not a mode it can show (each side 1 to 4095 pixels)")]
+    OutOfRange(u32, u32),
 }
 
 /// The virtio-gpu device; serve it as `PciAdapter::new(VirtioPci::new(gpu)?)`.

@@ -366,6 +366,27 @@ impl Parent for VirtioGpuParent {
         )
     }
 
+    fn resize(
+        &self,
+        uuid: &str,
+        scanout: u32,
+        width: u32,
+        height: u32,
+    ) -> Option<Result<(), InstanceError>> {
+        let Some(handle) = self.handle(uuid) else {
+            return Some(Err(InstanceError::NoSuchInstance(uuid.to_owned())));
+        };
+        Some(
+            handle
+                .resize(scanout as usize, width, height)
+                .map_err(|why| InstanceError::DisplayRefused {
+                    uuid: uuid.to_owned(),
+                    scanout,
+                    why: why.to_string(),
+                }),
+        )
+    }
+
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
         let gpu = self.create_gpu(req)?;
         let pci = VirtioPci::new(gpu).map_err(|e| {

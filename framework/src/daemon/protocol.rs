@@ -198,6 +198,21 @@ pub enum Request {
         #[serde(default)]
         scanout: u32,
     },
+    /// `umdev resize`: give a scanout of a running instance a new mode, as plugging in
+    /// another monitor would; the device raises its display event and the guest's driver
+    /// reads the new mode. Like `screenshot`, `uuid` is absent on `umdev run`'s socket.
+    Resize {
+        /// The instance (absent: the only device, on `umdev run`'s control socket).
+        #[serde(default)]
+        uuid: Option<String>,
+        /// The scanout (display), from 0.
+        #[serde(default)]
+        scanout: u32,
+        /// The new width, pixels.
+        width: u32,
+        /// The new height, pixels.
+        height: u32,
+    },
 }
 
 impl Request {
@@ -269,6 +284,8 @@ pub enum Reply {
     Saved(SavedReply),
     /// `screenshot`; the PNG follows the reply.
     Screenshot(ScreenshotReply),
+    /// `resize`.
+    Resized(ResizedReply),
 }
 
 impl Reply {
@@ -309,6 +326,21 @@ pub struct ScreenshotReply {
     pub height: u32,
     /// Length of the PNG file that follows the reply (at most [`MAX_PAYLOAD`]).
     pub png_len: u64,
+}
+
+/// Reply to `resize`: the display event is raised (the guest's driver reads the new mode
+/// when it handles it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResizedReply {
+    /// The instance (absent from `umdev run`, which serves one device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// The scanout.
+    pub scanout: u32,
+    /// The new width, pixels.
+    pub width: u32,
+    /// The new height, pixels.
+    pub height: u32,
 }
 
 /// What one instance of a type takes of a resource.
@@ -627,8 +659,8 @@ pub enum ErrorKind {
     /// The display shows nothing now (the guest has not set a scanout), or has no such
     /// scanout.
     NothingShown,
-    /// The request is not served here (`umdev run`'s control socket answers `screenshot`
-    /// only).
+    /// The request is not served here (`umdev run`'s control socket answers `screenshot`,
+    /// `resize` only).
     Unsupported,
 }
 

@@ -45,8 +45,8 @@ use tracing::{info, warn};
 use super::definitions::{canonical_uuid, Definition, Loaded, Store, DEFINITION_VERSION};
 use super::protocol::{
     BrokenRow, ControlError, DefinedReply, DefinitionRow, DefinitionsReply, ErrorKind, InstanceRow,
-    InstancesReply, Need, RemovedReply, Reply, Request, ResourceRow, SavedReply, ScreenshotReply,
-    StartedReply, TypeRow, TypesReply, UndefinedReply,
+    InstancesReply, Need, RemovedReply, Reply, Request, ResizedReply, ResourceRow, SavedReply,
+    ScreenshotReply, StartedReply, TypeRow, TypesReply, UndefinedReply,
 };
 
 /// The definitions in memory.
@@ -130,6 +130,7 @@ enum Op {
     Remove,
     Migrate,
     Screenshot,
+    Resize,
 }
 
 /// The control error of a registry error during `op` on `uuid`.
@@ -173,10 +174,33 @@ fn instance_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
         InstanceError::Migration { .. } => err(ErrorKind::Migration),
         InstanceError::NoDisplay { .. } => err(ErrorKind::NoDisplay)
             .hint("only virtio-gpu instances have a display (`umdev list` shows the types)"),
+        InstanceError::DisplayRefused { .. } => err(ErrorKind::BadParam),
         InstanceError::NothingShown { .. } => err(ErrorKind::NothingShown).hint(
             "the guest's driver sets a scanout when it starts (the console or a desktop); \
              try again once the guest has booted",
         ),
+    }
+}
+
+/// The canonical UUID of a display request (`what`) to a daemon, which needs one.
+fn display_uuid(uuid: Option<&str>, what: &str) -> Result<String, ControlError> {
+    let uuid = uuid.ok_or_else(|| {
+        ControlError::new(
+            ErrorKind::BadParam,
+            format!("a daemon serves many instances: the {what} request needs a UUID"),
+        )
+        .hint("`umdev list` lists the running instances")
+    })?;
+    canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))
+}
+
+/// The control error of a display request's registry error.
+fn display_error(e: InstanceError, op: Op, uuid: &str) -> ControlError {
+    match e {
+        InstanceError::NoSuchInstance(_) => {
+            instance_error(e, op, uuid).hint("`umdev list` lists the running instances")
+        }
+        e => instance_error(e, op, uuid),
     }
 }
 
@@ -335,6 +359,12 @@ impl Service {
             Request::Screenshot { uuid, scanout } => {
                 return self.screenshot(uuid.as_deref(), scanout)
             }
+            Request::Resize {
+                uuid,
+                scanout,
+                width,
+                height,
+            } => self.resize(uuid.as_deref(), scanout, width, height),
             other => self.handle_plain(other),
         }?;
         Ok((reply, Payload::default()))
@@ -365,7 +395,8 @@ impl Service {
             | Request::MigrateLoad { .. }
             | Request::MigrateFinish { .. }
             | Request::MigrateAbort { .. }
-            | Request::Screenshot { .. } => Err(ControlError::new(
+            | Request::Screenshot { .. }
+            | Request::Resize { .. } => Err(ControlError::new(
                 ErrorKind::Internal,
                 "a request with a payload without its payload handling (a bug)",
             )),
@@ -417,22 +448,11 @@ impl Service {
         uuid: Option<&str>,
         scanout: u32,
     ) -> Result<(Reply, Payload), ControlError> {
-        let uuid = uuid.ok_or_else(|| {
-            ControlError::new(
-                ErrorKind::BadParam,
-                "a daemon serves many instances: the screenshot request needs a UUID",
-            )
-            .hint("`umdev list` lists the running instances")
-        })?;
-        let uuid = canonical_uuid(uuid).ok_or_else(|| bad_uuid(uuid))?;
+        let uuid = display_uuid(uuid, "screenshot")?;
         let shot = self
             .registry
             .screenshot(&uuid, scanout)
-            .map_err(|e| match e {
-                InstanceError::NoSuchInstance(_) => instance_error(e, Op::Screenshot, &uuid)
-                    .hint("`umdev list` lists the running instances"),
-                e => instance_error(e, Op::Screenshot, &uuid),
-            })?;
+            .map_err(|e| display_error(e, Op::Screenshot, &uuid))?;
         let png_len = shot.png.len() as u64;
         if png_len > super::protocol::MAX_PAYLOAD {
             return Err(ControlError::new(
@@ -448,6 +468,30 @@ impl Service {
             png_len,
         };
         Ok((Reply::Screenshot(reply), Arc::new(shot.png)))
+    }
+
+    /// `resize`: a new mode for a scanout of running instance `uuid`.
+    fn resize(
+        &self,
+        uuid: Option<&str>,
+        scanout: u32,
+        width: u32,
+        height: u32,
+    ) -> Result<Reply, ControlError> {
+        let uuid = display_uuid(uuid, "resize")?;
+        self.registry
+            .resize(&uuid, scanout, width, height)
+            .map_err(|e| display_error(e, Op::Resize, &uuid))?;
+        info!(
+            uuid,
+            scanout, width, height, "display resized from the host"
+        );
+        Ok(Reply::Resized(ResizedReply {
+            uuid: Some(uuid),
+            scanout,
+            width,
+            height,
+        }))
     }
 
     /// Hand the instance over: mark its definition (a restart from here on does not start

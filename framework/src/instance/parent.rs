@@ -193,6 +193,17 @@ pub enum InstanceError {
         /// What is the matter (`"shows nothing yet: ..."`, `"does not exist (...)"`).
         why: String,
     },
+    /// The display refused a host request (`resize` of a scanout it does not have, or to
+    /// a size it cannot show).
+    #[error("instance {uuid}: scanout {scanout}: {why}")]
+    DisplayRefused {
+        /// The instance.
+        uuid: String,
+        /// The scanout asked for.
+        scanout: u32,
+        /// Why.
+        why: String,
+    },
     /// An I/O error (sockets, files).
     #[error("{what}")]
     Io {
@@ -245,6 +256,22 @@ pub trait Parent: Send + Sync {
     /// lock of the registry: a parent takes its device's own lock only to copy the picture
     /// and encodes it outside that lock, so a screenshot does not stall the device.
     fn screenshot(&self, _uuid: &str, _scanout: u32) -> Option<Result<Screenshot, InstanceError>> {
+        None
+    }
+
+    /// Change the mode of scanout `scanout` of live instance `uuid` to `width` × `height`,
+    /// as a monitor's owner would (the device tells the guest's driver with its display
+    /// event). `None`: the parent's devices have no display (the default, reported as
+    /// [`InstanceError::NoDisplay`]); `Some(Err(`[`InstanceError::DisplayRefused`]`))` for a
+    /// scanout the device does not have or a size it cannot show. Called from a control
+    /// request thread, not under any lock of the registry.
+    fn resize(
+        &self,
+        _uuid: &str,
+        _scanout: u32,
+        _width: u32,
+        _height: u32,
+    ) -> Option<Result<(), InstanceError>> {
         None
     }
 }

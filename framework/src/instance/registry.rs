@@ -734,6 +734,30 @@ impl Registry {
     /// ([`Parent::screenshot`]): [`InstanceError::NoDisplay`] for a parent whose devices
     /// have none. No lock of the registry is held while the parent captures and encodes.
     pub fn screenshot(&self, uuid: &str, scanout: u32) -> Result<Screenshot, InstanceError> {
+        self.with_display(uuid, |parent, uuid| parent.screenshot(uuid, scanout))
+    }
+
+    /// Change the mode of scanout `scanout` of served instance `uuid` ([`Parent::resize`]):
+    /// [`InstanceError::NoDisplay`] for a parent whose devices have none.
+    pub fn resize(
+        &self,
+        uuid: &str,
+        scanout: u32,
+        width: u32,
+        height: u32,
+    ) -> Result<(), InstanceError> {
+        self.with_display(uuid, |parent, uuid| {
+            parent.resize(uuid, scanout, width, height)
+        })
+    }
+
+    /// `op` on the parent of served instance `uuid`, outside the registry's locks; its
+    /// `None` (the parent's devices have no display) becomes [`InstanceError::NoDisplay`].
+    fn with_display<T>(
+        &self,
+        uuid: &str,
+        op: impl FnOnce(&dyn Parent, &str) -> Option<Result<T, InstanceError>>,
+    ) -> Result<T, InstanceError> {
         let instance = self.get(uuid)?;
         if instance.info().is_none() || instance.removing.load(Ordering::Acquire) {
             return Err(InstanceError::NoSuchInstance(uuid.to_owned()));
@@ -743,14 +767,12 @@ impl Registry {
             .into_iter()
             .find(|p| p.name() == instance.parent)
             .ok_or_else(|| InstanceError::NoSuchInstance(uuid.to_owned()))?;
-        parent
-            .screenshot(&instance.uuid, scanout)
-            .unwrap_or_else(|| {
-                Err(InstanceError::NoDisplay {
-                    uuid: instance.uuid.clone(),
-                    type_name: format!("{}/{}", instance.parent, instance.type_name),
-                })
+        op(parent.as_ref(), &instance.uuid).unwrap_or_else(|| {
+            Err(InstanceError::NoDisplay {
+                uuid: instance.uuid.clone(),
+                type_name: format!("{}/{}", instance.parent, instance.type_name),
             })
+        })
     }
 
     /// Remove an instance (see the module docs for the protocol with an attached client).
