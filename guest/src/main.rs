@@ -122,6 +122,11 @@ const SCENARIOS: &[Scenario] = &[
         virtio_gpu::run_kms,
     ),
     (
+        "virtio-gpu-resize",
+        "virtio-gpu resized by the host twice: config interrupt, the driver lists the new mode",
+        virtio_gpu::run_resize,
+    ),
+    (
         "virtio-gpu-bme",
         "virtio-gpu with Bus Master cleared: nothing drawn, DEVICE_NEEDS_RESET",
         virtio_gpu::run_bme,

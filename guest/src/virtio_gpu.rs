@@ -74,6 +74,19 @@ pub fn run(r: &mut Report) -> Option<()> {
         "a vtconsole is the frame buffer device",
     );
     let _ = std::fs::write("/sys/class/graphics/fbcon/cursor_blink", "0");
+    // Text through fbcon for the host's screenshot (vmtest/src/display.rs checks it).
+    let console = console_text(&[
+        format!("PCI {addr}: {driver}, virtio_gpu bound; fb0 {size} at {bpp} bpp, stride {stride}"),
+        "The host takes this screen's screenshot now and looks for these lines.".into(),
+    ]);
+    let wrote = std::fs::write("/dev/tty1", console.as_bytes());
+    r.check(
+        "tty1_written",
+        wrote.is_ok(),
+        format!("{} lines: {wrote:?}", console.lines().count()),
+    );
+    r.ready("fbcon-text");
+    std::thread::sleep(Duration::from_secs(3));
     let stride: usize = stride.parse().unwrap_or(1280 * 4);
     let (w, h) = (1280u32, 800u32);
     let mut fb = vec![0u8; stride * h as usize];
@@ -92,6 +105,62 @@ pub fn run(r: &mut Report) -> Option<()> {
     // The fbdev damage worker flushes on a timer (about 1 s at worst under TCG).
     std::thread::sleep(Duration::from_secs(4));
     Some(())
+}
+
+/// What the guest shows on its console for the host's screenshot: the screen cleared and
+/// the cursor hidden, a row of 16 full blocks (U+2588; the host finds them as one solid
+/// rectangle at the top left), a title, `lines`, and the kernel's messages about the device.
+fn console_text(lines: &[String]) -> String {
+    let mut text = String::from("\x1b[?25l\x1b[2J\x1b[H");
+    text.push_str(&"\u{2588}".repeat(16));
+    text.push_str("\numdev virtio-gpu: the guest's fbcon on fb0 (virtio_gpudrmfb)\n");
+    for line in lines {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text.push('\n');
+    let about_the_device = |m: &str| {
+        !m.to_lowercase().contains("command line")
+            && ["virtio", "drm", "fb0"].iter().any(|w| m.contains(w))
+    };
+    for line in kernel_messages(about_the_device).iter().take(30) {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text
+}
+
+/// The kernel log's messages that `keep` selects (read from /dev/kmsg without waiting).
+fn kernel_messages(keep: impl Fn(&str) -> bool) -> Vec<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut kmsg) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut record = vec![0u8; 8192];
+    // One record per read; EPIPE once if the oldest records were overwritten since the
+    // open, EAGAIN at the end of the log.
+    loop {
+        let n = match kmsg.read(&mut record) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+            Err(_) => break,
+        };
+        let text = String::from_utf8_lossy(&record[..n]);
+        if let Some((_, msg)) = text.split_once(';') {
+            let msg = msg.lines().next().unwrap_or_default().trim();
+            if keep(msg) {
+                out.push(msg.chars().take(150).collect());
+            }
+        }
+    }
+    out
 }
 
 /// The DRM card node of the PCI device at `addr` (`/dev/dri/cardN`).
@@ -161,6 +230,91 @@ pub fn run_kms(r: &mut Report) -> Option<()> {
     // Back to fbcon: closing the last DRM fd makes the fbdev emulation restore its mode.
     drop(card);
     std::thread::sleep(Duration::from_millis(500));
+    Some(())
+}
+
+/// The preferred (first) mode the driver lists for `connector` (a /sys/class/drm entry)
+/// after a fresh probe: "detect" written to its status makes the kernel fill the modes
+/// again from what the driver last read of the device (its EDID and display info).
+fn probed_first_mode(connector: &str) -> String {
+    let _ = std::fs::write(format!("{connector}/status"), "detect");
+    read(&format!("{connector}/modes"))
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Interrupts of the device's config vector (`virtioN-config` in /proc/interrupts).
+fn config_interrupts(virtio: &str) -> u64 {
+    let name = format!("{virtio}-config");
+    read("/proc/interrupts")
+        .lines()
+        .find(|l| l.split_whitespace().any(|w| w == name))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .map_while(|w| w.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// A host-side resize (`umdev resize --control`, at the `resize:WxH` cues): the device
+/// raises its display event (the config interrupt), the stock driver reads the new display
+/// info and EDID, and its connector then lists the new mode first. Then the host sets the
+/// original mode back and the guest sees that too, so the scenarios after this one find the
+/// display as it booted.
+pub fn run_resize(r: &mut Report) -> Option<()> {
+    let addr = find("0x1af4", "0x1050");
+    let addr = r.ok("resize.device", addr.ok_or("no 1af4:1050 on the PCI bus"))?;
+    let node = r.ok(
+        "resize.card",
+        card_of(&addr).ok_or(format!("no DRM card for {addr}")),
+    )?;
+    let card = node.trim_start_matches("/dev/dri/");
+    let connector = std::fs::read_dir("/sys/class/drm").ok().and_then(|d| {
+        d.flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| n.starts_with(&format!("{card}-")))
+    });
+    let connector = r.ok(
+        "resize.connector",
+        connector.ok_or(format!("no connector of {card} in /sys/class/drm")),
+    )?;
+    let connector = format!("/sys/class/drm/{connector}");
+    let virtio = std::fs::read_dir(format!("/sys/bus/pci/devices/{addr}"))
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("virtio"))
+        .unwrap_or_default();
+    let first = probed_first_mode(&connector);
+    r.check("resize.boot_mode", first == "1280x800", &first);
+    for (w, h) in [(1024, 768), (1280, 800)] {
+        let want = format!("{w}x{h}");
+        let irqs = config_interrupts(&virtio);
+        r.ready(&format!("resize:{want}"));
+        let start = std::time::Instant::now();
+        let now = loop {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = probed_first_mode(&connector);
+            if now == want || start.elapsed() > Duration::from_secs(20) {
+                break now;
+            }
+        };
+        r.check(
+            &format!("resize.driver_lists_{want}_first"),
+            now == want,
+            format_args!("{now} after {:.1} s", start.elapsed().as_secs_f64()),
+        );
+        let after = config_interrupts(&virtio);
+        r.check(
+            &format!("resize.config_interrupt_{want}"),
+            after > irqs,
+            format_args!("{virtio}-config: {irqs} -> {after}"),
+        );
+    }
     Some(())
 }
 

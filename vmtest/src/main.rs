@@ -14,6 +14,7 @@
 
 mod cpu_cues;
 mod daemon;
+mod display;
 mod image;
 mod initramfs;
 mod qemu;
@@ -170,10 +171,16 @@ const PLANS: &[Plan] = &[
     },
     Plan {
         name: "virtio-gpu",
-        what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: KMS page flip, \
-               fb0, a pattern the host screenshot must hold pixel for pixel, Bus Master cleared",
+        what: "umdev's virtio-gpu under the guest's stock virtio_gpu driver: two host \
+               resizes, a KMS page flip and fbcon text in host screenshots taken at the guest's \
+               cues, fb0 pixel for pixel, Bus Master cleared",
         servers: Servers::Processes(&[Kind::VirtioGpu]),
-        scenarios: &["virtio-gpu-kms", "virtio-gpu", "virtio-gpu-bme"],
+        scenarios: &[
+            "virtio-gpu-resize",
+            "virtio-gpu-kms",
+            "virtio-gpu",
+            "virtio-gpu-bme",
+        ],
         host_checks: Some(virtio_gpu_checks),
         ..BASE
     },
@@ -292,7 +299,8 @@ fn virtio_gpu_checks(_log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check>
     });
     let result = path
         .ok_or_else(|| "no 'written to' line in the server log".to_string())
-        .and_then(|p| screenshot_matches(Path::new(&p)));
+        .and_then(|p| display::Rgb::load(Path::new(&p)))
+        .and_then(|shot| shot.matches(1280, 800, umdev_devices::virtio_gpu::test_pattern));
     let (ok, detail) = match result {
         Ok(detail) => (true, detail),
         Err(e) => (false, e),
@@ -302,41 +310,6 @@ fn virtio_gpu_checks(_log: &GuestLog, servers: &[server::Outcome]) -> Vec<Check>
         ok,
         detail,
     )]
-}
-
-/// Decode the PNG and compare it with `test_pattern`, pixel for pixel.
-fn screenshot_matches(path: &Path) -> Result<String, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut reader = png::Decoder::new(std::io::BufReader::new(file))
-        .read_info()
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader.next_frame(&mut buf).map_err(|e| e.to_string())?;
-    if (info.width, info.height) != (1280, 800) || info.color_type != png::ColorType::Rgb {
-        return Err(format!(
-            "{}x{} {:?}",
-            info.width, info.height, info.color_type
-        ));
-    }
-    let mut wrong = 0u64;
-    let mut first = None;
-    for y in 0..info.height {
-        for x in 0..info.width {
-            let c = umdev_devices::virtio_gpu::test_pattern(x, y);
-            let want = [(c >> 16) as u8, (c >> 8) as u8, c as u8];
-            let at = ((y * info.width + x) * 3) as usize;
-            if buf[at..at + 3] != want {
-                wrong += 1;
-                first.get_or_insert((x, y, [buf[at], buf[at + 1], buf[at + 2]], want));
-            }
-        }
-    }
-    match first {
-        None => Ok(format!("{}: 1280x800, every pixel", path.display())),
-        Some((x, y, got, want)) => Err(format!(
-            "{wrong} pixels differ; first at {x},{y}: {got:02x?}, want {want:02x?}"
-        )),
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -364,8 +337,8 @@ nvme-bench  umdev's NVMe beside QEMU's own -device nvme: IOPS, MB/s, host CPU pe
 virtio-gpu-viommu  umdev's virtio-gpu behind intel-iommu\n  \
 virtio-gpu-bench   1080p frames/s, umdev's virtio-gpu beside QEMU's virtio-gpu-pci\n  \
 viommu   the GPU behind intel-iommu, through the guest's VFIO, with a guest reboot\n  \
-virtio-gpu  umdev's virtio-gpu under the stock virtio_gpu driver; the screenshot holds\n           \
-the pattern the guest wrote to /dev/fb0\n  \
+virtio-gpu  umdev's virtio-gpu under the stock virtio_gpu driver: host resizes, KMS flip,\n           \
+fbcon text and the /dev/fb0 pattern checked in host screenshots\n  \
 unplug   umdev daemon instances removed while the guest uses them (needs a QEMU with the\n           \
 vfio-user unplug fix: scripts/qemu.sh builds one; skipped otherwise)\n\
 Exit status: 0 if every check passed (skipped runs included, unless --no-skip), 1 if one\n\
@@ -692,12 +665,26 @@ fn run_processes(
             ),
         ];
     }
-    // Host CPU samples at the guest's begin/end cues (cpu_cues.rs), while the VM runs.
+    // While the VM runs: host CPU samples at the guest's begin/end cues (cpu_cues.rs), and
+    // the host's actions at the virtio-gpu scenarios' cues (display.rs).
     let pids: Vec<u32> = servers.iter().map(Server::pid).collect();
+    let mut actions = kinds
+        .contains(&Kind::VirtioGpu)
+        .then(|| display::Actions::new(&args.umdev, dir, &scenarios));
     let (tx, rx) = mpsc::channel();
     vm.watch = Some(tx);
     let (run, cpu) = std::thread::scope(|s| {
-        let sampler = s.spawn(|| cpu_cues::collect(rx, &pids));
+        let (cpu_tx, cpu_rx) = mpsc::channel();
+        let sampler = s.spawn(|| cpu_cues::collect(cpu_rx, &pids));
+        let actions = &mut actions;
+        s.spawn(move || {
+            for (at, line) in rx {
+                if let Some(a) = actions.as_mut() {
+                    a.on_line(&line);
+                }
+                let _ = cpu_tx.send((at, line));
+            }
+        });
         let run = vm.run();
         drop(vm);
         (run, sampler.join().unwrap_or_default())
@@ -705,6 +692,9 @@ fn run_processes(
     let (mut out, guest_log) = guest_results(&run, &scenarios, dir);
     out.measures.extend(cpu);
     checks.append(&mut out.checks);
+    if let Some(a) = actions {
+        checks.extend(a.finish());
+    }
     let stopped: Vec<server::Outcome> = servers.into_iter().map(Server::stop).collect();
     for s in &stopped {
         // The pin-refusal hint is logged only if a scenario of this device tried to pin.

@@ -104,6 +104,7 @@ impl Server {
                 let mut c = Command::new(&bins.umdev);
                 c.args(["run", "virtio-gpu", "--socket"]).arg(&socket);
                 c.arg("--screenshot-on-exit").arg(screenshot(dir));
+                c.arg("--control").arg(crate::display::control(dir));
                 c
             }
             Kind::VirtioGpuHd => {
