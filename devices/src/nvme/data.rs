@@ -44,6 +44,11 @@ impl DataPath<'_> {
                 Err(e) => return Err(e),
             }
         }
+        self.copy_to_guest(t, data)
+    }
+
+    /// [`DataPath::to_guest`] for memory that cannot be pinned: one DMA write per run.
+    fn copy_to_guest(&self, t: &Transfer, data: &[u8]) -> Result<(), DmaError> {
         for (iova, at, n) in runs(t) {
             self.dma.write(iova, &data[at..at + n])?;
         }
@@ -64,6 +69,11 @@ impl DataPath<'_> {
                 Err(e) => return Err(e),
             }
         }
+        self.copy_from_guest(t, buf)
+    }
+
+    /// [`DataPath::from_guest`] for memory that cannot be pinned: one DMA read per run.
+    fn copy_from_guest(&self, t: &Transfer, buf: &mut [u8]) -> Result<(), DmaError> {
         for (iova, at, n) in runs(t) {
             self.dma.read(iova, &mut buf[at..at + n])?;
         }
@@ -90,32 +100,31 @@ impl DataPath<'_> {
             let _pinning = self.pinning.read().unwrap_or_else(|e| e.into_inner());
             match self.pin(t, prot) {
                 Ok(p) => {
-                    let mut moved = Ok(());
-                    let unpinned = self.unpin_after(p, |p| {
-                        moved = if to_guest {
+                    return self.unpin_after(p, |p| {
+                        let moved = if to_guest {
                             p.read_from_file(file, file_offset, t.offset, t.len)
                         } else {
                             p.write_to_file(file, file_offset, t.offset, t.len)
                         };
-                        Ok(())
-                    });
-                    return match moved {
-                        Err(PinnedIoError::Io(e)) => Err(ImageIoError::Host(e)),
-                        Err(PinnedIoError::Dma(e)) => Err(ImageIoError::Dma(e)),
-                        Ok(()) => unpinned.map_err(ImageIoError::Dma),
-                    };
+                        moved.map_err(|e| match e {
+                            PinnedIoError::Io(e) => ImageIoError::Host(e),
+                            PinnedIoError::Dma(e) => ImageIoError::Dma(e),
+                        })
+                    })
                 }
                 Err(DmaError::FdLess { .. }) => {}
                 Err(e) => return Err(ImageIoError::Dma(e)),
             }
         }
-        // Through a buffer (and the page cache: the buffer is not aligned for O_DIRECT).
+        // Through a buffer (and the page cache: the buffer is not aligned for O_DIRECT), and
+        // the DMA layer's copies: the pin above already found the memory fd-less.
         let mut buf = vec![0u8; t.len as usize];
         if to_guest {
             ns.read(file_offset, &mut buf).map_err(ImageIoError::Host)?;
-            self.to_guest(t, &buf).map_err(ImageIoError::Dma)
+            self.copy_to_guest(t, &buf).map_err(ImageIoError::Dma)
         } else {
-            self.from_guest(t, &mut buf).map_err(ImageIoError::Dma)?;
+            self.copy_from_guest(t, &mut buf)
+                .map_err(ImageIoError::Dma)?;
             ns.write(file_offset, &buf).map_err(ImageIoError::Host)
         }
     }
@@ -127,16 +136,17 @@ impl DataPath<'_> {
         Ok(p)
     }
 
-    fn unpin_after(
+    /// `f` on the pins, then unpin them; `f`'s error first, else the unpin's.
+    fn unpin_after<E: From<DmaError>>(
         &self,
         p: PinnedPages,
-        f: impl FnOnce(&PinnedPages) -> Result<(), DmaError>,
-    ) -> Result<(), DmaError> {
+        f: impl FnOnce(&PinnedPages) -> Result<(), E>,
+    ) -> Result<(), E> {
         let r = f(&p);
         let n = p.pfns().len() as u64;
         let unpinned = p.unpin();
         self.pins_held.fetch_sub(n, Ordering::SeqCst);
-        r.and(unpinned)
+        r.and(unpinned.map_err(E::from))
     }
 }
 
@@ -147,6 +157,12 @@ pub enum ImageIoError {
     Dma(DmaError),
     /// The image file: a media error status.
     Host(std::io::Error),
+}
+
+impl From<DmaError> for ImageIoError {
+    fn from(e: DmaError) -> ImageIoError {
+        ImageIoError::Dma(e)
+    }
 }
 
 /// The runs of consecutive pages of `t`: `(iova, position in the buffer, bytes)`.
