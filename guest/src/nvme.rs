@@ -21,20 +21,29 @@ const RAW: u64 = NS_BYTES / 2;
 const FS_KIB: u64 = RAW / 1024;
 
 /// A 4096-aligned buffer for O_DIRECT.
-struct Aligned {
+pub(crate) struct Aligned {
     raw: Vec<u8>,
     off: usize,
     len: usize,
 }
 
 impl Aligned {
-    fn new(len: usize) -> Aligned {
-        let raw = vec![0u8; len + 4096];
+    /// `len` zero bytes at a page boundary.
+    pub(crate) fn new(len: usize) -> Aligned {
+        Aligned::filled(len, 0)
+    }
+    /// `len` bytes of `fill` at a page boundary.
+    pub(crate) fn filled(len: usize, fill: u8) -> Aligned {
+        let raw = vec![fill; len + 4096];
         let off = (4096 - raw.as_ptr() as usize % 4096) % 4096;
         Aligned { raw, off, len }
     }
-    fn bytes(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes(&mut self) -> &mut [u8] {
         &mut self.raw[self.off..self.off + self.len]
+    }
+    /// The address of the first byte (for an AIO request).
+    pub(crate) fn addr(&mut self) -> u64 {
+        self.bytes().as_mut_ptr() as u64
     }
 }
 

@@ -28,6 +28,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::time::{Duration, Instant};
 
+use crate::nvme::Aligned;
 use crate::report::Report;
 
 /// Length of one run.
@@ -180,23 +181,6 @@ impl Drop for Aio {
     }
 }
 
-/// A 4096-aligned heap buffer.
-struct Buf {
-    raw: Vec<u8>,
-    off: usize,
-}
-
-impl Buf {
-    fn new(len: usize, fill: u8) -> Buf {
-        let raw = vec![fill; len + 4096];
-        let off = (4096 - raw.as_ptr() as usize % 4096) % 4096;
-        Buf { raw, off }
-    }
-    fn addr(&mut self) -> u64 {
-        self.raw[self.off..].as_mut_ptr() as u64
-    }
-}
-
 /// Result of one run.
 struct Ran {
     ios: u64,
@@ -207,8 +191,8 @@ struct Ran {
 /// for its full length; drain before returning.
 fn run_load(f: &File, load: Load, dur: Duration, seed: u64) -> io::Result<Ran> {
     // The buffers outlive the context: its drop waits for requests still in flight.
-    let mut bufs: Vec<Buf> = (0..load.depth)
-        .map(|i| Buf::new(load.block, 0x40 + i as u8))
+    let mut bufs: Vec<Aligned> = (0..load.depth)
+        .map(|i| Aligned::filled(load.block, 0x40 + i as u8))
         .collect();
     let aio = Aio::new(load.depth)?;
     let blocks = SPAN / load.block as u64;
