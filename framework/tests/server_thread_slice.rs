@@ -64,9 +64,12 @@ fn test_connection_thread_asks_for_the_configured_time_slice() {
     }
     assert_eq!(served_slice(Some(umdev::server::DEFAULT_THREAD_SLICE)), 100);
     assert_eq!(served_slice(Some(Duration::from_micros(500))), 500);
-    // None (the default): the kernel's default slice (reported as sched_runtime, e.g.
-    // 1.4 ms here).
-    assert!(umdev::server::ServerConfig::new("s").thread_slice.is_none());
+    // The default is the short slice; None: the kernel's default slice (reported as
+    // sched_runtime, e.g. 1.4 ms here).
+    assert_eq!(
+        umdev::server::ServerConfig::new("s").thread_slice,
+        Some(umdev::server::DEFAULT_THREAD_SLICE)
+    );
     let default = served_slice(None);
     assert!(
         default > 500,

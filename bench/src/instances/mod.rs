@@ -114,8 +114,8 @@ pub struct InstancesArgs {
     #[arg(long, value_name = "US")]
     pub fetcher_slice_us: Option<u64>,
     /// The time slice the instances' connection threads ask for, µs (the server's
-    /// `ServerConfig::thread_slice`); 0: none, the kernel's default [default: 0, the
-    /// server's default].
+    /// `ServerConfig::thread_slice`); 0: none, the kernel's default [default: the
+    /// server's, 100].
     #[arg(long, value_name = "US")]
     pub conn_slice_us: Option<u64>,
     /// Output options.
@@ -157,7 +157,9 @@ impl InstancesArgs {
             fetcher_slice_us: self
                 .fetcher_slice_us
                 .unwrap_or(umdev_devices::gpu::engine::DEFAULT_FETCHER_SLICE.as_micros() as u64),
-            conn_slice_us: self.conn_slice_us.unwrap_or(0),
+            conn_slice_us: self
+                .conn_slice_us
+                .unwrap_or(umdev::server::DEFAULT_THREAD_SLICE.as_micros() as u64),
         }
     }
 

@@ -64,9 +64,9 @@ pub struct ServerConfig {
     /// The time slice the connection thread (and the twin-socket reader) ask the kernel
     /// for when they start ([`super::slice`]): a short slice lets a thread woken by a
     /// message preempt CPU-bound threads on a busy host (Linux ≥ 6.12), so a guest's
-    /// trapped access does not wait milliseconds for a CPU. Default `None` (the kernel's
-    /// default slice: no gain was measured, see [`super::slice`]);
-    /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs) is the value to try.
+    /// trapped access does not wait milliseconds for a CPU. Default
+    /// [`DEFAULT_THREAD_SLICE`](super::DEFAULT_THREAD_SLICE) (100 µs, the measurement is in
+    /// [`super::slice`]); `None`: the kernel's default slice.
     pub thread_slice: Option<Duration>,
     /// Answer a client's `write_multiple: true` in VERSION (and accept REGION_WRITE_MULTI).
     /// Default `false`: QEMU 10.1/10.2 define their write-multiple flag as 0x16, which
@@ -99,7 +99,7 @@ impl ServerConfig {
             backlog: BacklogLimits::default(),
             dma_rw_layout: None,
             allow_any_file_maps: false,
-            thread_slice: None,
+            thread_slice: Some(super::DEFAULT_THREAD_SLICE),
             write_multiple: false,
             poll: PollMode::Auto,
         }

@@ -9,14 +9,16 @@
 //! nice value), only its latency.
 //!
 //! Measured with `umdev bench instances --only fairness --busy-threads 2 --conn-slice-us
-//! 0|100` (six alternating runs on a 2-core machine that was also compiling; logs in
-//! docs/benchmarks.md): the idle GPU instance's FENCE latency beside flooders on the busy
-//! host was the same either way (median ratio 1.0–1.9× both, p90 3.4–11× with 100 µs and
-//! 3.6–49× without; the tail comes from the client's and the flooders' threads as much as
-//! from this one). So the server does not ask for a slice by default; a deployment whose
-//! measurements show a gain sets [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice).
-//! The GPU's fetcher threads, where a gain was measured, ask for one
-//! (`umdev_devices::gpu::engine`, "Priority").
+//! 0|100`, eight alternating pairs on an otherwise idle 2-core machine (docs/benchmarks.md,
+//! "Busy host, the third part"): the idle GPU instance's FENCE latency beside four
+//! flooders on the busy host, loaded ÷ unloaded p90 of the worst set, was 3.8–27× (median
+//! 9.3×) without a slice and 1.5–9.4× (median 3.0×) with 100 µs; medians 1.0–1.5× either
+//! way. An earlier six runs on a machine that was also compiling showed no consistent
+//! difference (3.4–11× against 3.6–49×). So the connection and twin-reader threads ask for
+//! [`DEFAULT_THREAD_SLICE`] by default
+//! ([`ServerConfig::thread_slice`](super::ServerConfig::thread_slice); `None` turns it
+//! off); the GPU's fetcher threads ask for the same (`umdev_devices::gpu::engine`,
+//! "Priority").
 //!
 //! [`set_thread_slice`] asks for a slice for the calling thread (`sched_setattr`,
 //! SCHED_OTHER with `sched_runtime` = the slice, the nice value kept; the kernel clamps it
@@ -27,8 +29,9 @@
 use std::io;
 use std::time::Duration;
 
-/// A short slice: 100 µs, the shortest Linux accepts (the GPU fetchers' default, and the
-/// value to try for [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice)).
+/// A short slice: 100 µs, the shortest Linux accepts (the default of
+/// [`ServerConfig::thread_slice`](super::ServerConfig::thread_slice) and of the GPU's
+/// fetchers).
 pub const DEFAULT_THREAD_SLICE: Duration = Duration::from_micros(100);
 
 /// `struct sched_attr` of `sched_setattr(2)`, its first version (48 bytes).
