@@ -22,6 +22,7 @@ pub mod migrate;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use super::paths;
 use super::protocol::{self, ControlError, Reply, Request, RequestEnvelope, Response};
@@ -72,19 +73,47 @@ pub fn call(path: &std::path::Path, request: &Request) -> Result<Reply, ClientEr
     call_with_payload(path, request, &[]).map(|(reply, _)| reply)
 }
 
+/// How long a call waits for the daemon without a byte moving (sending, or waiting for and
+/// reading the answer) before it gives up: longer than anything a daemon legitimately
+/// takes (a removal waits up to its 10 s release timeout; the largest migration state
+/// moves within [`protocol::transfer_time`]), so only a stuck daemon reaches it.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Send `request` and the `payload` it announces ([`Request::payload_len`]) to the daemon
-/// on `path`; returns its answer and the payload the reply announces.
+/// on `path`; returns its answer and the payload the reply announces. Gives up after
+/// [`ANSWER_TIMEOUT`] without progress.
 pub fn call_with_payload(
     path: &std::path::Path,
     request: &Request,
     payload: &[u8],
 ) -> Result<(Reply, Vec<u8>), ClientError> {
+    call_within(path, request, payload, ANSWER_TIMEOUT)
+}
+
+/// [`call_with_payload`], giving up after `timeout` without progress (an error of kind
+/// `TimedOut`/`WouldBlock` in [`ClientError::Io`]).
+pub fn call_within(
+    path: &std::path::Path,
+    request: &Request,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Reply, Vec<u8>), ClientError> {
     let io = |what: &str| {
         let what = what.to_owned();
-        move |source| ClientError::Io {
-            path: path.to_path_buf(),
-            what,
-            source,
+        move |source: std::io::Error| {
+            let what = match source.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                    "{what}: nothing for {} s (the daemon may be stuck; its log says what \
+                     it is doing)",
+                    timeout.as_secs_f64()
+                ),
+                _ => what,
+            };
+            ClientError::Io {
+                path: path.to_path_buf(),
+                what,
+                source,
+            }
         }
     };
     let mut stream = UnixStream::connect(path).map_err(|source| match source.kind() {
@@ -98,6 +127,10 @@ pub fn call_with_payload(
             why: source,
         },
     })?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(io("setting the socket's timeouts"))?;
     let envelope = RequestEnvelope {
         version: protocol::PROTOCOL_VERSION,
         request,
@@ -151,5 +184,40 @@ pub fn call_with_payload(
         }
         (None, Some(error)) => Err(ClientError::Daemon(error)),
         _ => Err(protocol_err("neither a reply nor an error".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::time::Instant;
+
+    #[test]
+    fn test_call_gives_up_on_a_daemon_that_never_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        // A "daemon" that accepts, reads nothing and never answers, holding the connection.
+        let held = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
+        let start = Instant::now();
+        let e = call_within(&path, &Request::Types, &[], Duration::from_millis(200))
+            .expect_err("no answer must be an error");
+        let took = start.elapsed();
+        let _conn = held.join().unwrap().unwrap();
+        match &e {
+            ClientError::Io { what, source, .. } => {
+                assert!(what.contains("nothing for 0.2 s"), "{e}");
+                assert!(
+                    matches!(
+                        source.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ),
+                    "{source:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(took < Duration::from_secs(5), "took {took:?}");
     }
 }
