@@ -34,6 +34,7 @@ fn parent_in(dir: &Path, budget_mib: u64) -> NvmeParent {
             NvmeType::new("nvme-4m", 4, 2),
             NvmeType::new("nvme-8m", 8, 4),
         ],
+        shadow_poll: umdev_devices::nvme::SHADOW_POLL,
     })
     .unwrap()
 }

@@ -113,3 +113,25 @@ fn test_doorbell_buffer_config_checks_its_pages() {
     assert_eq!(g.admin(cfg(HOLE, EVENTIDX)), Status::DATA_TRANSFER_ERROR);
     g.assert_no_panics();
 }
+
+#[test]
+fn test_shadow_doorbells_without_the_watch_arm_at_once_and_serve_every_command() {
+    // `--poll off`: the worker arms the EventIdx as soon as it runs out of commands.
+    let mut g = Guest::with(|c| c.shadow_poll = std::time::Duration::ZERO, false);
+    g.bring_up(1, 16);
+    assert_eq!(g.config_dbbuf(SHADOW, EVENTIDX), Status::SUCCESS);
+    let before = g.mmio_doorbells;
+    let n = 40u64;
+    for i in 0..n {
+        let data = pattern(i, 4096);
+        assert_eq!(g.write_blocks(1, i * 8, DATA, &data), Status::SUCCESS);
+        let (s, back) = g.read_blocks(1, i * 8, DATA + 0x10000, 4096);
+        assert_eq!(s, Status::SUCCESS);
+        assert_eq!(back, data);
+    }
+    // Each command found the worker asleep with the EventIdx armed: one trap per command.
+    let sq = g.mmio_doorbells.0 - before.0;
+    assert!(sq <= 2 * n, "SQ traps {sq}");
+    assert_eq!(g.pins().0, 0);
+    g.assert_no_panics();
+}

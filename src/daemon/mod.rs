@@ -247,6 +247,10 @@ fn nvme_parent(args: &DaemonArgs, dirs: &DaemonDirs) -> Result<Arc<dyn Parent>, 
     if !args.nvme_types.is_empty() {
         config.types = args.nvme_types.clone();
     }
+    if args.poll == umdev::server::PollMode::Off {
+        // No spinning anywhere: the queue workers arm the EventIdx at once too.
+        config.shadow_poll = std::time::Duration::ZERO;
+    }
     Ok(Arc::new(
         NvmeParent::new(config).map_err(ParentError::Nvme)?,
     ))

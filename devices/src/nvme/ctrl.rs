@@ -42,6 +42,9 @@ pub struct Limits {
     pub serial: String,
     /// Offer Doorbell Buffer Config (OACS bit 8).
     pub shadow_doorbells: bool,
+    /// How long a queue worker watches the shadow tail before it arms the EventIdx and
+    /// sleeps (zero: it arms at once).
+    pub shadow_poll: std::time::Duration,
 }
 
 impl Limits {

@@ -58,6 +58,7 @@ use umdev::pci::{BarKind, BarSpec, MsixSpec, PciConfig, PciDevice, PciIds, Regis
 
 pub use namespace::ImageError;
 pub use parent::{NvmeParent, NvmeParentConfig, NvmeType};
+pub use worker::SHADOW_POLL;
 
 use ctl::Ctl;
 use ctrl::{Limits, Shared};
@@ -100,6 +101,12 @@ pub struct NvmeConfig {
     /// Offer shadow doorbells (Doorbell Buffer Config, OACS bit 8): the guest then traps
     /// only to wake a sleeping queue worker.
     pub shadow_doorbells: bool,
+    /// With shadow doorbells, how long a queue worker that ran out of commands keeps
+    /// watching the shadow tail (yielding between looks) before it asks the guest to ring
+    /// and sleeps: a guest that submits meanwhile does so without a trap. Default
+    /// [`SHADOW_POLL`] (50 µs, after activity only: an idle queue costs nothing); zero
+    /// arms at once (`umdev run nvme --poll off` sets it, with the connection's polling).
+    pub shadow_poll: std::time::Duration,
     /// Threads of the I/O pool shared by the queues (0: each queue's worker does its own
     /// I/O, one command at a time).
     pub io_threads: usize,
@@ -121,6 +128,7 @@ impl NvmeConfig {
             mdts: 6,
             serial: String::new(),
             shadow_doorbells: true,
+            shadow_poll: SHADOW_POLL,
             io_threads: 4,
             direct: false,
         }
@@ -193,6 +201,7 @@ impl Nvme {
                 mdts: config.mdts.clamp(1, 8),
                 serial: config.serial,
                 shadow_doorbells: config.shadow_doorbells,
+                shadow_poll: config.shadow_poll.min(std::time::Duration::from_millis(1)),
             },
             blocks: ns.blocks(),
             io_threads: config.io_threads.min(64),

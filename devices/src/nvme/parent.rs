@@ -79,6 +79,9 @@ pub struct NvmeParentConfig {
     pub budget_mib: u64,
     /// The types offered.
     pub types: Vec<NvmeType>,
+    /// The instances' [`NvmeConfig::shadow_poll`] (default [`super::SHADOW_POLL`]; zero when
+    /// the daemon runs with `--poll off`).
+    pub shadow_poll: std::time::Duration,
 }
 
 impl NvmeParentConfig {
@@ -92,6 +95,7 @@ impl NvmeParentConfig {
                 NvmeType::new("nvme-256m", 256, 2),
                 NvmeType::new("nvme-1g", 1024, 4),
             ],
+            shadow_poll: super::SHADOW_POLL,
         }
     }
 }
@@ -321,6 +325,7 @@ impl NvmeParent {
         let mut config = NvmeConfig::new(&path).with_size(ty.capacity_mib << 20);
         config.max_io_queues = ty.io_queues;
         config.serial = serial_of(req.uuid);
+        config.shadow_poll = self.inner.config.shadow_poll;
         let nvme = Nvme::from_file(config, file).map_err(|e| {
             let what = e.to_string();
             let source = match e {
@@ -426,6 +431,7 @@ mod tests {
                 dir: dir.path().join("images"),
                 budget_mib,
                 types,
+                shadow_poll: super::super::SHADOW_POLL,
             })
             .map(|_| ())
         };
@@ -462,6 +468,7 @@ mod tests {
             dir: file,
             budget_mib: 64,
             types: vec![t],
+            shadow_poll: super::super::SHADOW_POLL,
         });
         assert!(matches!(not_dir, Err(NvmeParentError::Dir { .. })));
     }

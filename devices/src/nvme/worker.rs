@@ -217,20 +217,22 @@ fn run(
     f.ready
 }
 
-/// How long [`poll_shadow`] watches.
-const SHADOW_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long [`poll_shadow`] watches by default ([`super::NvmeConfig::shadow_poll`]).
+pub const SHADOW_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// With shadow doorbells, before arming the EventIdx: watch the shadow tail (and the
-/// pool's completions) for up to [`SHADOW_POLL`], yielding between looks. A guest that
+/// pool's completions) for up to `shared.limits.shadow_poll` (default [`SHADOW_POLL`]),
+/// yielding between looks. A guest that
 /// submits meanwhile does so without a doorbell trap (the EventIdx is not armed), and the
 /// worker sees it without being woken. True if there is work.
 fn poll_shadow(shared: &Shared, sq: &Sq, f: &Flights) -> bool {
-    if sq.dbbuf.get().is_none() || shared.is_fatal() {
+    let budget = shared.limits.shadow_poll;
+    if budget.is_zero() || sq.dbbuf.get().is_none() || shared.is_fatal() {
         return false;
     }
     let head = sq.head.load(Ordering::SeqCst);
     let start = std::time::Instant::now();
-    while start.elapsed() < SHADOW_POLL {
+    while start.elapsed() < budget {
         if sq.stop.load(Ordering::SeqCst) || !f.done_rx.is_empty() {
             return true;
         }
