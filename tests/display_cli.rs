@@ -28,19 +28,36 @@ const H: u32 = 32;
 const RED: [u8; 3] = [0xff, 0, 0];
 const GREEN: [u8; 3] = [0, 0xff, 0];
 
-fn request(vmm: &mut Vmm, drv: &mut VirtioDriver, words: &[u32], tail: &[u8]) -> u32 {
+/// One command on the control queue: its header `words` and `tail`, a response of
+/// `resp_len` bytes (returned).
+fn call(
+    vmm: &mut Vmm,
+    drv: &mut VirtioDriver,
+    words: &[u32],
+    tail: &[u8],
+    resp_len: u32,
+) -> Vec<u8> {
     let mut req: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     req.extend_from_slice(tail);
     vmm.ram().write(REQ, &req).unwrap();
     let head = drv
-        .add_chain(vmm, 0, &[(REQ, req.len() as u32, false), (RESP, 24, true)])
+        .add_chain(
+            vmm,
+            0,
+            &[(REQ, req.len() as u32, false), (RESP, resp_len, true)],
+        )
         .unwrap();
     drv.publish(vmm, 0, head).unwrap();
     drv.kick(vmm, 0).unwrap();
     drv.wait_used(vmm, 0, Duration::from_secs(5))
         .unwrap()
         .expect("no response");
-    let r = vmm.ram().read_vec(RESP, 4).unwrap();
+    vmm.ram().read_vec(RESP, resp_len as usize).unwrap()
+}
+
+/// [`call`] with a plain 24-byte response: its type.
+fn request(vmm: &mut Vmm, drv: &mut VirtioDriver, words: &[u32], tail: &[u8]) -> u32 {
+    let r = call(vmm, drv, words, tail, 24);
     u32::from_le_bytes(r[..4].try_into().unwrap())
 }
 
@@ -82,20 +99,8 @@ fn draw_stripes(sock: &Path) -> (Vmm, VirtioDriver) {
 fn guest_sees(vmm: &mut Vmm, drv: &mut VirtioDriver) -> (u32, (u32, u32)) {
     let mut ev = [0u8; 4];
     drv.read_config(vmm, 0, &mut ev).unwrap();
-    let req: Vec<u8> = [0x100u32, 0, 0, 0, 0, 0]
-        .iter()
-        .flat_map(|w| w.to_le_bytes())
-        .collect();
-    vmm.ram().write(REQ, &req).unwrap();
-    let head = drv
-        .add_chain(vmm, 0, &[(REQ, 24, false), (RESP, 24 + 16 * 24, true)])
-        .unwrap();
-    drv.publish(vmm, 0, head).unwrap();
-    drv.kick(vmm, 0).unwrap();
-    drv.wait_used(vmm, 0, Duration::from_secs(5))
-        .unwrap()
-        .expect("no response");
-    let r = vmm.ram().read_vec(RESP, 48).unwrap();
+    // GET_DISPLAY_INFO: the header, then 16 scanouts of 24 bytes.
+    let r = call(vmm, drv, &[0x100, 0, 0, 0, 0, 0], &[], 24 + 16 * 24);
     let word = |at: usize| u32::from_le_bytes(r[at..at + 4].try_into().unwrap());
     assert_eq!(word(0), 0x1101, "RESP_OK_DISPLAY_INFO");
     (u32::from_le_bytes(ev), (word(32), word(36)))

@@ -180,6 +180,21 @@ fn card_of(addr: &str) -> Option<String> {
     })
 }
 
+/// The virtio-gpu's PCI address and DRM card node, checked as `<what>.device` and
+/// `<what>.card`.
+fn device_card(r: &mut Report, what: &str) -> Option<(String, String)> {
+    let addr = find("0x1af4", "0x1050");
+    let addr = r.ok(
+        &format!("{what}.device"),
+        addr.ok_or("no 1af4:1050 on the PCI bus"),
+    )?;
+    let node = r.ok(
+        &format!("{what}.card"),
+        card_of(&addr).ok_or(format!("no DRM card for {addr}")),
+    )?;
+    Some((addr, node))
+}
+
 /// Fill a dumb buffer with `pattern`.
 fn paint(d: &mut crate::drm::Dumb, pattern: fn(u32, u32) -> u32) {
     let (w, h, pitch) = (d.width, d.height, d.pitch as usize);
@@ -199,12 +214,7 @@ fn paint(d: &mut crate::drm::Dumb, pattern: fn(u32, u32) -> u32) {
 /// the card hands the display back to fbcon (the `virtio-gpu` scenario runs next).
 pub fn run_kms(r: &mut Report) -> Option<()> {
     use umdev_devices::virtio_gpu::test_pattern_flipped;
-    let addr = find("0x1af4", "0x1050");
-    let addr = r.ok("kms.device", addr.ok_or("no 1af4:1050 on the PCI bus"))?;
-    let node = r.ok(
-        "kms.card",
-        card_of(&addr).ok_or(format!("no DRM card for {addr}")),
-    )?;
+    let (_, node) = device_card(r, "kms")?;
     let mut card = r.ok("kms.open", crate::drm::Card::open(&node))?;
     r.ok("kms.master", card.set_master())?;
     let out = r.ok("kms.output", card.output())?;
@@ -266,12 +276,7 @@ fn config_interrupts(virtio: &str) -> u64 {
 /// original mode back and the guest sees that too, so the scenarios after this one find the
 /// display as it booted.
 pub fn run_resize(r: &mut Report) -> Option<()> {
-    let addr = find("0x1af4", "0x1050");
-    let addr = r.ok("resize.device", addr.ok_or("no 1af4:1050 on the PCI bus"))?;
-    let node = r.ok(
-        "resize.card",
-        card_of(&addr).ok_or(format!("no DRM card for {addr}")),
-    )?;
+    let (addr, node) = device_card(r, "resize")?;
     let card = node.trim_start_matches("/dev/dri/");
     let connector = std::fs::read_dir("/sys/class/drm").ok().and_then(|d| {
         d.flatten()
