@@ -683,6 +683,87 @@ mod tests {
     }
 
     #[test]
+    fn test_random_chunking_every_message_intact_fds_on_their_message() {
+        // Messages of random sizes (some larger than the buffer), written in random pieces
+        // that cross message boundaries; a message with fds starts a sendmsg of its own
+        // that ends inside it (as a client sending one message per sendmsg does, possibly
+        // cut short by a full socket buffer).
+        let f = File::open("/dev/null").unwrap();
+        for seed in 1..=20u64 {
+            let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rand = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let mut plan = Vec::new();
+            for id in 0..60u16 {
+                let len = if rand(10) == 0 {
+                    300 + rand(400)
+                } else {
+                    rand(64)
+                } as usize;
+                let nfds = if rand(4) == 0 {
+                    1 + rand(3) as usize
+                } else {
+                    0
+                };
+                let payload: Vec<u8> = (0..len).map(|i| (i as u8) ^ (id as u8)).collect();
+                plan.push((msg(id, Command::DeviceSetIrqs, &payload), nfds));
+            }
+            let (a, b) = UnixStream::pair().unwrap();
+            let sent = plan
+                .iter()
+                .map(|(m, n)| (m.clone(), *n))
+                .collect::<Vec<_>>();
+            let fd = f.as_raw_fd();
+            let pieces: Vec<usize> = (0..2000).map(|_| 1 + rand(90) as usize).collect();
+            let writer = std::thread::spawn(move || {
+                let mut stream = Vec::new();
+                let mut starts = Vec::new();
+                for (m, n) in &sent {
+                    starts.push((stream.len(), stream.len() + m.len(), *n));
+                    stream.extend_from_slice(m);
+                }
+                let mut pos = 0;
+                let mut next_piece = pieces.iter().cycle();
+                while pos < stream.len() {
+                    let mut end = (pos + next_piece.next().unwrap()).min(stream.len());
+                    let mut fds = Vec::new();
+                    if let Some(&(_, m_end, n)) = starts.iter().find(|s| s.0 == pos && s.2 > 0) {
+                        end = end.min(m_end);
+                        fds = vec![fd; n];
+                    } else if let Some(&(s, _, _)) =
+                        starts.iter().find(|s| s.0 > pos && s.0 < end && s.2 > 0)
+                    {
+                        // Stop before a message with fds: it starts a sendmsg.
+                        end = s;
+                    }
+                    send_message(&a, &stream[pos..end], &fds).unwrap();
+                    pos = end;
+                }
+            });
+            let mut ra = ReadAhead::with_capacity(256);
+            for (id, (m, nfds)) in plan.iter().enumerate() {
+                // Non-blocking reads (retried: a partial message is kept) or blocking ones.
+                let dontwait = rand(2) == 0;
+                let got = loop {
+                    if let Some(r) = next(&mut ra, &b, dontwait) {
+                        break message_of(Some(r));
+                    }
+                };
+                assert_eq!(got.header.msg_id as usize, id, "seed {seed}");
+                assert_eq!(got.payload, m[HEADER_SIZE..], "seed {seed} message {id}");
+                assert_eq!(got.fds.len(), *nfds, "seed {seed} message {id}");
+                assert!(ra.held_fds() <= 2 * FD_SLOTS);
+            }
+            writer.join().unwrap();
+            assert!(matches!(next(&mut ra, &b, false), Some(ReadResult::Eof)));
+        }
+    }
+
+    #[test]
     fn test_payload_reuses_spare_capacity() {
         let (a, b) = UnixStream::pair().unwrap();
         send(&a, &msg(1, Command::RegionWrite, &[3; 24]), &[]);
