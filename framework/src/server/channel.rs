@@ -47,7 +47,7 @@
 //!
 //! - **Fds at receive time.** A message carrying more fds than its command can use (one for
 //!   DMA_MAP, `max_msg_fds` for SET_IRQS, none for anything else and for replies) has all
-//!   of them closed as soon as its header is read, and becomes an invalid message (EINVAL
+//!   of them closed as soon as it is read, and becomes an invalid message (EINVAL
 //!   error reply); a message with more than [`super::socket_io::FD_SLOTS`] fds is cut by
 //!   the kernel and refused the same way. So a backlogged message holds at most the fds its
 //!   command will consume.
@@ -57,6 +57,13 @@
 //!   so does the reply the requester waits for, which then times out like an unanswered
 //!   one. A bound is checked before a read, so the backlog exceeds it by at most one
 //!   message (≤ the largest message, ≤ `max_msg_fds` fds).
+//! - **The read-ahead.** Every reader of the main socket reads through one per-connection
+//!   buffer (`read_ahead`): one `recvmsg` brings as many whole messages as have arrived.
+//!   It is fixed and small (64 KiB, at most two sets of
+//!   ≤ FD_SLOTS fds, see there), so it is not counted in the backlog's bounds; while the
+//!   backlog is full nothing is taken out of it either, and its messages wait there as
+//!   they would in the kernel's socket buffer. Fds are given to the message that holds the
+//!   last byte of the `recvmsg` that returned them (why that is their message: `read_ahead`).
 //! - **Sending** (replies, error replies, requests) uses the socket's send timeout
 //!   (`SO_SNDTIMEO`, set by the server from `ServerConfig::send_timeout`): a client that
 //!   does not read what we send makes the send fail after that time, and any failed send
@@ -75,9 +82,9 @@ use crossbeam_channel::{bounded, RecvTimeoutError, Sender, TryRecvError};
 use tracing::{debug, warn};
 
 use super::poll::{PollMode, Poller};
+use super::read_ahead::ReadAhead;
 use super::socket_io::{
-    discard, header_of, recv_header_with, recv_payload, send_message, wait_readable, RawHeader,
-    FD_SLOTS,
+    discard, header_of, recv_header, recv_payload, send_message, wait_readable, RawHeader, FD_SLOTS,
 };
 use crate::protocol::{encode_message, Command, Header, MessageType, ProtocolError, HEADER_SIZE};
 
@@ -110,13 +117,17 @@ pub enum ReadResult {
 
 /// Read one message from `stream`, validating the header against `max_message` (fds: at
 /// most what the command can use with `max_msg_fds` = [`super::socket_io::FD_SLOTS`]).
+///
+/// It reads exactly one message (a `recvmsg` of the header, then the payload) and nothing
+/// of the next, for callers that read a socket once; a connection reads through its
+/// read-ahead instead (`read_ahead`: one `recvmsg` for as many messages as arrived).
 pub fn read_one(stream: &UnixStream, max_message: u32) -> ReadResult {
     read_one_with(stream, max_message, FD_SLOTS)
 }
 
 /// Most fds a message with header `h` can use: one for DMA_MAP, `max_msg_fds` for
 /// SET_IRQS, none for any other command or for a reply.
-fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
+pub(super) fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
     let is_reply = h.flags & crate::protocol::FLAGS_TYPE_MASK == crate::protocol::FLAGS_TYPE_REPLY;
     if is_reply {
         return 0;
@@ -132,7 +143,15 @@ fn usable_fds(h: &Header, max_msg_fds: usize) -> usize {
 /// than its command can use are closed at once ([`Incoming::fds_closed`] counts them, so
 /// the command is refused for its fd count when it is handled).
 pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) -> ReadResult {
-    read_one_reusing(stream, max_message, max_msg_fds, &mut Vec::new())
+    let raw = match recv_header(stream) {
+        Ok(Some(raw)) => raw,
+        Ok(None) => return ReadResult::Eof,
+        Err(e) => {
+            debug!(error = %e, "socket read failed");
+            return ReadResult::Eof;
+        }
+    };
+    read_rest(stream, raw, max_message, max_msg_fds)
 }
 
 /// Largest payload buffer kept for reuse between messages ([`Channel::next_command_reusing`]):
@@ -140,49 +159,12 @@ pub fn read_one_with(stream: &UnixStream, max_message: u32, max_msg_fds: usize) 
 /// not hold a large buffer.
 pub const SPARE_PAYLOAD_MAX: usize = 4096;
 
-/// [`read_one_with`], taking the payload buffer from `spare` (its capacity is reused, so a
-/// small message allocates nothing; `spare` is left empty).
-fn read_one_reusing(
-    stream: &UnixStream,
-    max_message: u32,
-    max_msg_fds: usize,
-    spare: &mut Vec<u8>,
-) -> ReadResult {
-    match read_one_impl(stream, max_message, max_msg_fds, spare, false) {
-        Some(r) => r,
-        // Only a non-blocking read finds nothing.
-        None => ReadResult::Eof,
-    }
-}
-
-/// [`read_one_reusing`]; with `dontwait`, `None` if no byte of a message is there yet
-/// (nothing consumed). Once a header byte is read, the message is read whole (waiting).
-fn read_one_impl(
-    stream: &UnixStream,
-    max_message: u32,
-    max_msg_fds: usize,
-    spare: &mut Vec<u8>,
-    dontwait: bool,
-) -> Option<ReadResult> {
-    let raw = match recv_header_with(stream, dontwait) {
-        Ok(Some(raw)) => raw,
-        Ok(None) => return Some(ReadResult::Eof),
-        Err(e) if dontwait && e.kind() == std::io::ErrorKind::WouldBlock => return None,
-        Err(e) => {
-            debug!(error = %e, "socket read failed");
-            return Some(ReadResult::Eof);
-        }
-    };
-    Some(read_rest(stream, raw, max_message, max_msg_fds, spare))
-}
-
 /// The rest of the message whose header is `raw`: validation, the payload, the fds.
 fn read_rest(
     stream: &UnixStream,
     mut raw: RawHeader,
     max_message: u32,
     max_msg_fds: usize,
-    spare: &mut Vec<u8>,
 ) -> ReadResult {
     let header = header_of(&raw);
     let mut fds_closed = 0;
@@ -201,9 +183,7 @@ fn read_rest(
             return ReadResult::Invalid(header, e);
         }
     };
-    let mut payload = std::mem::take(spare);
-    payload.clear();
-    payload.resize(len, 0);
+    let mut payload = vec![0; len];
     if recv_payload(stream, &mut payload).is_err() {
         return ReadResult::Eof;
     }
@@ -262,6 +242,9 @@ impl Backlogged {
 #[derive(Debug)]
 pub struct ReadSide {
     stream: UnixStream,
+    /// Messages read from `stream` and not yet handed out (`read_ahead`): every reader of
+    /// the main socket (the connection thread, a pumping requester) reads through it.
+    ahead: ReadAhead,
     backlog: VecDeque<Backlogged>,
     eof: bool,
     /// How the connection thread waits for its next command (`server::poll`).
@@ -522,6 +505,7 @@ impl Channel {
             twin_control: OnceLock::new(),
             reader: Mutex::new(ReadSide {
                 stream: reader,
+                ahead: ReadAhead::new(),
                 backlog: VecDeque::new(),
                 eof: false,
                 poller: Poller::new(PollMode::Off),
@@ -835,19 +819,23 @@ impl Channel {
     }
 
     /// Read the next message on the connection thread: spin for the poller's budget with
-    /// non-blocking reads (yielding the CPU between two), then block (`server::poll`).
+    /// non-blocking reads (yielding the CPU between two), then block (`server::poll`). A
+    /// message already in the read-ahead is returned at once, without a syscall.
     fn wait_and_read(&self, rs: &mut ReadSide, spare: &mut Vec<u8>) -> ReadResult {
+        let (max, fds) = (self.max_message, self.max_msg_fds);
         let budget = rs.poller.budget();
-        if budget.is_zero() && !rs.poller.adapts() {
-            // `off`: no clock reads either.
-            return read_one_reusing(&rs.stream, self.max_message, self.max_msg_fds, spare);
+        if (budget.is_zero() && !rs.poller.adapts()) || rs.ahead.has_message() {
+            // `off`, or nothing to wait for: no clock reads either.
+            return rs
+                .ahead
+                .next(&rs.stream, max, fds, spare, false)
+                .unwrap_or(ReadResult::Eof);
         }
         let start = Instant::now();
         if !budget.is_zero() {
             let deadline = start + budget;
             loop {
-                let r = read_one_impl(&rs.stream, self.max_message, self.max_msg_fds, spare, true);
-                if let Some(r) = r {
+                if let Some(r) = rs.ahead.next(&rs.stream, max, fds, spare, true) {
                     rs.poller.observe(true, start.elapsed());
                     return r;
                 }
@@ -857,7 +845,10 @@ impl Channel {
                 std::thread::yield_now();
             }
         }
-        let r = read_one_reusing(&rs.stream, self.max_message, self.max_msg_fds, spare);
+        let r = rs
+            .ahead
+            .next(&rs.stream, max, fds, spare, false)
+            .unwrap_or(ReadResult::Eof);
         rs.poller.observe(false, start.elapsed());
         r
     }
@@ -881,15 +872,30 @@ impl Channel {
             }
             return false;
         }
-        match wait_readable(&rs.stream, wait) {
-            Ok(true) => {}
-            Ok(false) => return true,
-            Err(_) => {
-                rs.eof = true;
-                return true;
+        if !rs.ahead.has_message() {
+            match wait_readable(&rs.stream, wait) {
+                Ok(true) => {}
+                Ok(false) => return true,
+                Err(_) => {
+                    rs.eof = true;
+                    return true;
+                }
             }
         }
-        let backlogged = match read_one_with(&rs.stream, self.max_message, self.max_msg_fds) {
+        // Non-blocking: a message that has arrived only in part stays in the read-ahead
+        // (this requester goes back to waiting for its reply), except one larger than the
+        // read-ahead, which is read whole once begun.
+        let read = rs.ahead.next(
+            &rs.stream,
+            self.max_message,
+            self.max_msg_fds,
+            &mut Vec::new(),
+            true,
+        );
+        let Some(read) = read else {
+            return true;
+        };
+        let backlogged = match read {
             ReadResult::Message(m, MessageType::Reply) => {
                 self.route_reply(m);
                 None
@@ -1038,8 +1044,10 @@ impl Channel {
 
     /// Body of the twin-socket reader thread: route replies until the socket closes.
     pub fn run_twin_reader(&self, stream: UnixStream) {
+        let mut ahead = ReadAhead::new();
         loop {
-            match read_one(&stream, self.max_message) {
+            let read = ahead.next(&stream, self.max_message, FD_SLOTS, &mut Vec::new(), false);
+            match read.unwrap_or(ReadResult::Eof) {
                 ReadResult::Message(m, MessageType::Reply) => self.route_reply(m),
                 ReadResult::Message(m, MessageType::Command) => {
                     warn!(
@@ -1089,6 +1097,59 @@ mod tests {
         assert_eq!(got.payload, vec![1, 2, 3]);
         let next = chan.next_command().expect("backlogged command");
         assert_eq!(next.header.msg_id, 77);
+    }
+
+    #[test]
+    fn test_request_reply_behind_command_in_one_write_routed_from_read_ahead() {
+        // The command and the reply arrive in one read: the requester backlogs the command
+        // and finds the reply in the read-ahead, without waiting for the socket again.
+        let (chan, peer) = pair(2000);
+        let c2 = chan.clone();
+        let t = std::thread::spawn(move || c2.request(Command::DmaRead, &[0; 16]));
+        let ReadResult::Message(req, MessageType::Command) = read_one(&peer, 1 << 20) else {
+            panic!("expected the request");
+        };
+        let mut both = Header::command(77, Command::DeviceReset, 0)
+            .encode()
+            .to_vec();
+        both.extend(encode_message(&req.header.reply(2), &[8, 9]));
+        send_message(&peer, &both, &[]).unwrap();
+        let started = Instant::now();
+        let got = t.join().unwrap().unwrap();
+        assert_eq!(got.payload, vec![8, 9]);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "no timeout on a buffered reply"
+        );
+        assert_eq!(chan.next_command().expect("backlogged").header.msg_id, 77);
+    }
+
+    #[test]
+    fn test_next_command_burst_in_one_write_each_polling_mode() {
+        for mode in [
+            PollMode::Off,
+            PollMode::Auto,
+            PollMode::Fixed(Duration::from_micros(50)),
+        ] {
+            let (chan, peer) = pair(2000);
+            chan.set_poll(mode);
+            let mut burst = Vec::new();
+            for id in 0..8u16 {
+                burst.extend(encode_message(
+                    &Header::command(id, Command::RegionWrite, 4),
+                    &id.to_le_bytes().repeat(2),
+                ));
+            }
+            send_message(&peer, &burst, &[]).unwrap();
+            let mut spare = Vec::new();
+            for id in 0..8u16 {
+                let m = chan.next_command_reusing(&mut spare).expect("command");
+                assert_eq!(m.header.msg_id, id, "{mode}");
+                spare = m.payload;
+            }
+            drop(peer);
+            assert!(chan.next_command().is_none());
+        }
     }
 
     #[test]

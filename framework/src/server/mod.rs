@@ -40,6 +40,7 @@ mod error;
 pub mod listener;
 mod migration;
 pub mod poll;
+mod read_ahead;
 mod refuse;
 pub mod remote_dma;
 mod running;

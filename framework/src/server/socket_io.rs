@@ -1,5 +1,6 @@
-//! Message I/O on a UNIX stream socket: receive a header with SCM_RIGHTS fds, then the
-//! payload; send a whole message (optionally with fds) in one `sendmsg`.
+//! Message I/O on a UNIX stream socket: one `recvmsg` with room for SCM_RIGHTS fds (the
+//! connection's read-ahead, `read_ahead`, and the one-message readers: header with its
+//! fds, then the payload); send a whole message (optionally with fds) in one `sendmsg`.
 
 use std::io::{self, Read, Write};
 use std::mem;
@@ -34,15 +35,75 @@ pub fn recv_header(stream: &UnixStream) -> io::Result<Option<RawHeader>> {
 /// [`recv_header`]; with `dontwait`, an error of kind `WouldBlock` if no byte is there yet
 /// (nothing consumed). Once the first byte is read, the rest of the header is waited for.
 pub fn recv_header_with(stream: &UnixStream, dontwait: bool) -> io::Result<Option<RawHeader>> {
-    let flags = libc::MSG_CMSG_CLOEXEC | if dontwait { libc::MSG_DONTWAIT } else { 0 };
     let mut bytes = [0u8; HEADER_SIZE];
+    let got = recv_with_fds(stream, &mut bytes, dontwait)?;
+    if got.len == 0 {
+        return Ok(None);
+    }
+    if got.len < HEADER_SIZE {
+        // The rest of the header follows without fds.
+        let mut s = stream;
+        s.read_exact(&mut bytes[got.len..])?;
+    }
+    Ok(Some(RawHeader {
+        bytes,
+        fds: got.fds,
+        fds_truncated: got.fds_truncated,
+    }))
+}
+
+/// What one `recvmsg` returned.
+#[derive(Debug)]
+pub struct Received {
+    /// Bytes read (0: end of stream).
+    pub len: usize,
+    /// Fds from SCM_RIGHTS (owned: dropping closes them).
+    pub fds: Vec<OwnedFd>,
+    /// The control data was truncated (more fds than [`FD_SLOTS`]; the kernel closed what
+    /// did not fit).
+    pub fds_truncated: bool,
+}
+
+/// One `recvmsg` into `buf` with room for [`FD_SLOTS`] fds: at most `buf.len()` bytes,
+/// fewer if fewer are there (on a stream socket, Linux also stops after the first part of
+/// a sender's `sendmsg` that carries fds: see `read_ahead`). With `dontwait`, an error of
+/// kind `WouldBlock` if no byte is there (nothing consumed). `EINTR` is retried.
+pub fn recv_with_fds(stream: &UnixStream, buf: &mut [u8], dontwait: bool) -> io::Result<Received> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` initialised bytes.
+    unsafe { recv_raw(stream, buf.as_mut_ptr(), buf.len(), dontwait) }
+}
+
+/// [`recv_with_fds`] into the spare capacity of `buf` (its uninitialised tail), then
+/// extends `buf` by the bytes read: nothing is zeroed first, and pages of the capacity that
+/// no message reached stay untouched.
+pub fn recv_append(stream: &UnixStream, buf: &mut Vec<u8>, dontwait: bool) -> io::Result<Received> {
+    let room = buf.spare_capacity_mut();
+    // SAFETY: `room` is valid for writes of `room.len()` bytes (uninitialised bytes may be
+    // written; the kernel writes, never reads them).
+    let got = unsafe { recv_raw(stream, room.as_mut_ptr().cast(), room.len(), dontwait)? };
+    // SAFETY: recvmsg initialised the first `got.len` bytes of the spare capacity
+    // (`got.len` ≤ `room.len()`).
+    unsafe { buf.set_len(buf.len() + got.len) };
+    Ok(got)
+}
+
+/// # Safety
+///
+/// `ptr` is valid for writes of `len` bytes for the duration of the call.
+unsafe fn recv_raw(
+    stream: &UnixStream,
+    ptr: *mut u8,
+    len: usize,
+    dontwait: bool,
+) -> io::Result<Received> {
+    let flags = libc::MSG_CMSG_CLOEXEC | if dontwait { libc::MSG_DONTWAIT } else { 0 };
     // u64 storage keeps the control buffer aligned for cmsghdr; on the stack, so the hot
     // path does not allocate.
     let mut cbuf = [0u64; CBUF_WORDS];
     let space = CBUF_WORDS * 8;
     let mut iov = libc::iovec {
-        iov_base: bytes.as_mut_ptr().cast(),
-        iov_len: HEADER_SIZE,
+        iov_base: ptr.cast(),
+        iov_len: len,
     };
     // SAFETY: an all-zero msghdr is a valid empty value; the pointers are set below.
     let mut msg: libc::msghdr = unsafe { mem::zeroed() };
@@ -51,8 +112,8 @@ pub fn recv_header_with(stream: &UnixStream, dontwait: bool) -> io::Result<Optio
     msg.msg_control = cbuf.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
     let n = loop {
-        // SAFETY: msg points at a live iovec over `bytes` and a control buffer of
-        // `space` bytes, both outliving the call.
+        // SAFETY: msg points at a live iovec over `len` writable bytes (the caller's
+        // promise) and a control buffer of `space` bytes, both outliving the call.
         let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, flags) };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -80,20 +141,11 @@ pub fn recv_header_with(stream: &UnixStream, dontwait: bool) -> io::Result<Optio
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    let fds_truncated = msg.msg_flags & libc::MSG_CTRUNC != 0;
-    if n == 0 {
-        return Ok(None);
-    }
-    if n < HEADER_SIZE {
-        // The rest of the header follows without fds.
-        let mut s = stream;
-        s.read_exact(&mut bytes[n..])?;
-    }
-    Ok(Some(RawHeader {
-        bytes,
+    Ok(Received {
+        len: n,
         fds,
-        fds_truncated,
-    }))
+        fds_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0,
+    })
 }
 
 /// Read exactly `buf.len()` payload bytes.
@@ -123,7 +175,16 @@ pub fn send_message(stream: &UnixStream, buf: &[u8], fds: &[RawFd]) -> io::Resul
     let space =
         // SAFETY: CMSG_SPACE only computes a size from its argument.
         unsafe { libc::CMSG_SPACE(mem::size_of_val(fds) as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // On the stack for up to FD_SLOTS fds (every reply umdev sends); a larger set is the
+    // caller's business and gets a heap buffer.
+    let mut stack = [0u64; CBUF_WORDS];
+    let mut heap = Vec::new();
+    let cbuf: &mut [u64] = if space <= CBUF_WORDS * 8 {
+        &mut stack[..space.div_ceil(8)]
+    } else {
+        heap.resize(space.div_ceil(8), 0u64);
+        &mut heap
+    };
     let mut iov = libc::iovec {
         iov_base: buf.as_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
