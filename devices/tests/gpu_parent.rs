@@ -580,3 +580,131 @@ fn test_gpu_parent_engine_thread_keeps_process_nice_by_default_low_priority_when
         ))
     ));
 }
+
+/// Publish one more FENCE of `value` on an instance whose ring holds only FENCEs (8 bytes
+/// each, `value` 1, 2, … in order) and wait up to `within` for it to run.
+fn fence_ran(i: &mut Instance, value: u32, within: Duration) -> bool {
+    let at = 8 * (value - 1);
+    let bytes = Command::encode_bytes(&[Command::Fence { value }]);
+    i.vmm.ram().write(RING_GPA + u64::from(at), &bytes).unwrap();
+    i.vmm.write32(BAR, REG_RING_TAIL, at + 8).unwrap();
+    let deadline = Instant::now() + within;
+    while i.vmm.read32(BAR, REG_FENCE_VALUE).unwrap() != value {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    true
+}
+
+/// The engine thread gets no CPU (held: the stand-in for a busy host, where it runs flat
+/// out and waits ms for a CPU whenever it loses one). An idle instance's FENCEs still run,
+/// each on its own fetcher right after the doorbell: when a flooder's unit is ahead of it
+/// in the scheduler's order, the fetcher runs that unit first, so the order and the shares
+/// stay the scheduler's. Before, such a FENCE waited for the engine thread.
+#[test]
+fn test_gpu_parent_fence_behind_a_flooder_runs_on_its_fetcher_while_the_engine_thread_waits() {
+    let parent = parent();
+    let mut flooder = instance(&parent, "f", "gpu-4m");
+    let mut idle = instance(&parent, "idle", "gpu-4m");
+    let hold = parent.engine().hold_thread();
+    // 1×1 fills (cost 65) against FENCEs (cost 64), equal weights: after two FENCEs the
+    // idle instance's pass is ahead of the flooder's, and stays within a unit of it.
+    let (ring, n) = flood_ring(1, 1);
+    publish(&mut flooder, &ring);
+    wait_for(
+        std::slice::from_ref(&flooder),
+        "the flood's first unit",
+        |s| s[0].commands == 1,
+    );
+    const FENCES: u32 = 20;
+    for value in 1..=FENCES {
+        assert!(
+            fence_ran(&mut idle, value, Duration::from_secs(10)),
+            "FENCE {value} did not run while the engine thread was held: {:?}",
+            idle.gpu.engine_stats()
+        );
+    }
+    let (f, i) = (flooder.gpu.engine_stats(), idle.gpu.engine_stats());
+    drop(hold);
+    stop_flood(&mut flooder);
+    assert_eq!(
+        (i.commands, i.fetcher_units),
+        (u64::from(FENCES), u64::from(FENCES))
+    );
+    assert!(i.helped_units > 0, "no unit was ahead of a FENCE: {i:?}");
+    // With the engine thread held, every flood unit after the first ran on the idle
+    // instance's fetcher.
+    assert_eq!(f.commands, 1 + i.helped_units, "{f:?} {i:?}");
+    assert!(f.commands < n);
+    // Equal weights: work within one unit of each other (65 + 64), as the engine keeps it.
+    assert!(
+        f.work.abs_diff(i.work) <= 65 + 64,
+        "flooder {} work units, idle instance {}",
+        f.work,
+        i.work
+    );
+}
+
+/// A fetcher runs at most `HELP_LIMIT` units ahead of its own; the rest waits for the engine
+/// thread. The idle instance's last unit was a whole-screen fill, so its FENCE is a
+/// thousand 1×1 fills behind the flooder.
+#[test]
+fn test_gpu_parent_fetcher_helps_at_most_help_limit_units_then_leaves_them_to_the_engine() {
+    use umdev_devices::gpu::engine::HELP_LIMIT;
+    let parent = parent();
+    let mut flooder = instance(&parent, "f", "gpu-4m");
+    let mut idle = instance(&parent, "idle", "gpu-4m");
+    let hold = parent.engine().hold_thread();
+    let (ring, _) = flood_ring(1, 1);
+    publish(&mut flooder, &ring);
+    wait_for(
+        std::slice::from_ref(&flooder),
+        "the flood's first unit",
+        |s| s[0].commands == 1,
+    );
+    let fill = Command::encode_bytes(&[
+        Command::FillRect {
+            x: 0,
+            y: 0,
+            w: W,
+            h: H,
+            color: 0x00ab_cdef,
+        },
+        Command::Fence { value: 1 },
+    ]);
+    // The fill first (at the front: it runs on the fetcher), then the FENCE after it.
+    idle.vmm.ram().write(RING_GPA, &fill).unwrap();
+    idle.vmm.write32(BAR, REG_RING_TAIL, 24).unwrap();
+    wait_for(std::slice::from_ref(&idle), "the fill", |s| {
+        s[0].commands == 1
+    });
+    idle.vmm
+        .write32(BAR, REG_RING_TAIL, fill.len() as u32)
+        .unwrap();
+    wait_for(std::slice::from_ref(&idle), "the help", |s| {
+        s[0].helped_units == HELP_LIMIT
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let (f, i) = (flooder.gpu.engine_stats(), idle.gpu.engine_stats());
+    assert_eq!(i.helped_units, HELP_LIMIT, "helped past the limit: {i:?}");
+    assert_eq!(f.commands, 1 + HELP_LIMIT, "{f:?}");
+    assert_eq!(
+        i.commands, 1,
+        "the FENCE ran although it is far behind: {i:?}"
+    );
+    assert_eq!(idle.vmm.read32(BAR, REG_FENCE_VALUE).unwrap(), 0);
+    // The engine thread serves the rest in the scheduler's order, the FENCE among it.
+    drop(hold);
+    wait_for(
+        std::slice::from_ref(&idle),
+        "the FENCE on the engine thread",
+        |s| s[0].commands == 2,
+    );
+    stop_flood(&mut flooder);
+    let i = idle.gpu.engine_stats();
+    assert_eq!(idle.vmm.read32(BAR, REG_FENCE_VALUE).unwrap(), 1);
+    assert_eq!((i.fetcher_units, i.helped_units), (1, HELP_LIMIT), "{i:?}");
+    assert!(flooder.gpu.engine_stats().commands > 1 + HELP_LIMIT);
+}

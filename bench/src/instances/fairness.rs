@@ -246,6 +246,15 @@ pub struct FenceResult {
     /// The most units of other instances the engine ran between the prober's wake-up and
     /// its FENCE ([`EngineStats::max_wakeup_delay`]).
     pub max_wakeup_delay_units: u64,
+    /// The prober's units (warm-up included), and how many of them its own fetcher
+    /// executed at once ([`EngineStats::fetcher_units`]; the rest ran on the engine thread
+    /// or on another fetcher that was helping).
+    pub prober_units: u64,
+    /// See `prober_units`.
+    pub prober_fetcher_units: u64,
+    /// Units of the flooders the prober's fetcher executed ahead of its own
+    /// ([`EngineStats::helped_units`]).
+    pub prober_helped_units: u64,
 }
 
 /// The threads whose CPU waits a set reports, by role.
@@ -761,7 +770,11 @@ pub fn run_set(spec: &SetSpec, plan: &FairPlan, busy: usize) -> Result<FairnessS
         fence.doorbell_loaded = summarize(&fence.doorbell_loaded_us);
         fence.ratio_median = fence.loaded.median / fence.unloaded.median;
         fence.ratio_p90 = fence.loaded.p90 / fence.unloaded.p90;
-        fence.max_wakeup_delay_units = prober_gpu.engine_stats().max_wakeup_delay;
+        let prober_stats = prober_gpu.engine_stats();
+        fence.max_wakeup_delay_units = prober_stats.max_wakeup_delay;
+        fence.prober_units = prober_stats.commands;
+        fence.prober_fetcher_units = prober_stats.fetcher_units;
+        fence.prober_helped_units = prober_stats.helped_units;
 
         let weights: Vec<u32> = flooders.iter().map(|f| f.weight).collect();
         let shares = shares(&totals.work, &weights);

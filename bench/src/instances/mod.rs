@@ -813,6 +813,8 @@ pub fn render(r: &InstancesReport) -> String {
             ">ratio p90",
             ">doorbell reply unloaded / loaded",
             ">max wake-up delay (units)",
+            ">prober's units on its fetcher",
+            ">helped",
         ]);
         for s in &r.fairness {
             let f = &s.fence;
@@ -831,6 +833,8 @@ pub fn render(r: &InstancesReport) -> String {
                     f1(f.doorbell_loaded.median)
                 ),
                 f.max_wakeup_delay_units.to_string(),
+                format!("{} of {}", f.prober_fetcher_units, f.prober_units),
+                f.prober_helped_units.to_string(),
             ]);
         }
         out.push_str(&t.render());

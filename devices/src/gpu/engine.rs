@@ -25,8 +25,8 @@
 //!
 //! # Scheduling
 //!
-//! The engine runs the ready lane with the smallest stride pass, executes one unit, charges
-//! the lane the unit's cost (`execute.rs`: a base cost plus the pixels written) multiplied
+//! The engine runs the ready lane with the smallest stride pass, executes one unit (the
+//! engine thread: a quantum of a few, see "Quantum"), charges the lane the unit's cost (`execute.rs`: a base cost plus the pixels written) multiplied
 //! by its stride, and puts it back in the ready set if it has work left. `sched.rs` states
 //! the invariants: work shares proportional to the weights among backlogged lanes (within
 //! one unit), and an idle lane that becomes ready while `n` others have work runs after at
@@ -48,24 +48,51 @@
 //! scheduler picks it next, or after others tied at the same pass), `submit` executes that
 //! one unit on the fetcher's thread at once (`StrideScheduler::take`, then the same step
 //! the engine runs: gate, charge, counters, completion) and leaves the rest of the work to
-//! the engine. So:
+//! the engine. **If other lanes' units are ahead of it** (typically one unit each: the lane
+//! was charged for its last unit and the engine thread, waiting for a CPU, has not run the
+//! others' units that come before its next one), the fetcher first runs those, one at a
+//! time and each the scheduler's own pick (`step`), at most [`HELP_LIMIT`] of them, and then
+//! its lane's unit; past the limit it leaves everything to the engine thread. While it runs
+//! a unit ahead of its own, its lane is out of the ready set (pass kept), so no other thread
+//! picks the lane's unit meanwhile. So:
 //!
-//! - The scheduler still decides: a fetcher runs only its own lane's unit and only when its
-//!   pass is the smallest, and the unit is charged like any other, so shares are unchanged
-//!   (a lane that submits a unit per doorbell moves its pass past the others' and then
-//!   waits for the engine like any backlogged lane). A fetcher never executes other lanes'
-//!   work: it does not become a second engine.
+//! - The scheduler still decides: every unit a fetcher runs is the one the engine would
+//!   have run next, charged like any other, so shares are unchanged (a lane that submits a
+//!   unit per doorbell moves its pass past the others' and then waits for the engine like
+//!   any backlogged lane). A fetcher runs others' units only on its way to its own, at most
+//!   [`HELP_LIMIT`]: it does not become a second engine ([`EngineStats::helped_units`],
+//!   [`EngineStats::fetcher_units`] count both).
 //! - At most one unit of a lane executes at a time (the lane is `Running`, out of the ready
 //!   set, and its gate marks it), and a lane's units run in ring order. Units of
-//!   *different* lanes may now overlap: the engine thread's and a fetcher's (the engine is
+//!   *different* lanes may overlap: the engine thread's and a fetcher's (the engine is
 //!   a time-sliced resource, not a lock between lanes; units touch only their own lane's
-//!   state).
+//!   state). A unit does no remote DMA and DMA_MAP takes only memory whose faults a client
+//!   cannot stall (SECURITY.md), so running another lane's unit cannot block the fetcher
+//!   on that lane's client.
 //! - Quiesce, reset and stop see a fetcher's unit as an engine unit: it takes the lane's
 //!   gate with `try_execute` (a paused lane is parked, its work kept), and it ends before
-//!   the fetcher's `drain` returns, inside the fetcher's own `Gate::enter` section.
+//!   the fetcher's `drain` returns, inside the fetcher's own `Gate::enter` section (so a
+//!   pause of the helping lane waits for the other lane's unit too: one unit, bounded).
 //!
 //! For a lane that wakes at the front of the ready set the wake-up delay (`sched.rs`,
-//! `EngineStats::max_wakeup_delay`) is then zero units, whatever the engine thread does.
+//! `EngineStats::max_wakeup_delay`) is then zero units, whatever the engine thread does;
+//! behind others, the units it waits for run on its own thread.
+//!
+//! # Quantum
+//!
+//! The engine thread executes up to [`QUANTUM_UNITS`] units, or [`QUANTUM_WORK`] work
+//! units, of the lane it picked per scheduling step and charges them together; a fetcher
+//! executes one unit per step. The reason is the state lock: the engine thread takes it
+//! once per step, and a CPU-bound thread that takes a lock for every 1 µs unit holds it a
+//! good part of the time, so it is often preempted while holding it — by the very fetcher
+//! a doorbell woke on its CPU, which then sleeps on the lock until the engine thread gets
+//! a CPU again (ms on a busy host). Measured (`umdev bench instances --busy-threads 2`,
+//! the prober's fetcher timing its own lock wait): before the quantum, 7–8 % of an idle
+//! instance's FENCEs under load waited 0.3–16 ms for the lock, and they were the p90; with
+//! it, about 1 %. The scheduler's bounds hold with a quantum in place of a unit: shares
+//! within one quantum's charge, and a lane that wakes behind others waits for at most one
+//! quantum of each on the engine thread (and none when its fetcher runs its unit). A
+//! pause or stop ends a quantum at the next unit (`Gate::halted`).
 //!
 //! # Quiescing one lane
 //!
@@ -144,6 +171,20 @@ use super::worker::Gate;
 /// threads ask for too.
 pub const DEFAULT_FETCHER_SLICE: std::time::Duration = umdev::server::DEFAULT_THREAD_SLICE;
 
+/// The most units of other lanes a fetcher executes before its own lane's first unit
+/// (module doc, "Who executes"); past it the rest is left to the engine thread. A lane that
+/// wakes after one small unit of its own is behind at most one unit of each lane of the
+/// same weight (a few of a heavier one), so the limit is far above what a wake-up needs and
+/// keeps a fetcher from becoming a second engine.
+pub const HELP_LIMIT: u64 = 32;
+
+/// The most units the engine thread executes of one lane per scheduling step (module doc,
+/// "Quantum").
+pub const QUANTUM_UNITS: u64 = 16;
+/// The most work the engine thread executes of one lane per scheduling step, in work units
+/// (`execute.rs`): the quantum ends after the unit that reaches it. 16 fills of 64×64.
+pub const QUANTUM_WORK: u64 = 16 * (64 * 64 + UNIT_BASE_COST);
+
 /// A lane's id on its engine (never reused).
 pub(super) type LaneId = u64;
 
@@ -200,6 +241,9 @@ struct State {
     /// Units executed by the engine (all lanes).
     units: u64,
     stop: bool,
+    /// Holds on the engine thread ([`RenderEngine::hold_thread`]): while any is held, the
+    /// thread starts no unit.
+    thread_holds: u32,
 }
 
 struct Inner {
@@ -221,6 +265,13 @@ pub struct EngineStats {
     /// The most units of *other* lanes the engine executed between a wake-up and the start
     /// of the lane's next unit: the scheduler's wake-up latency, in units.
     pub max_wakeup_delay: u64,
+    /// Units executed on the lane's own fetcher thread, at once, because the lane was at
+    /// the front of the ready set when its work arrived (module doc, "Who executes"); the
+    /// rest ran on the engine thread.
+    pub fetcher_units: u64,
+    /// Units of *other* lanes the lane's fetcher executed, in the scheduler's order, while
+    /// its own lane waited behind them (module doc, "Who executes").
+    pub helped_units: u64,
 }
 
 /// The counters behind [`EngineStats`], kept in the GPU's shared state so that they
@@ -231,6 +282,8 @@ pub(super) struct EngineCounters {
     work: AtomicU64,
     wakeups: AtomicU64,
     max_wakeup_delay: AtomicU64,
+    fetcher_units: AtomicU64,
+    helped_units: AtomicU64,
 }
 
 impl EngineCounters {
@@ -240,6 +293,8 @@ impl EngineCounters {
             work: self.work.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             max_wakeup_delay: self.max_wakeup_delay.load(Ordering::Relaxed),
+            fetcher_units: self.fetcher_units.load(Ordering::Relaxed),
+            helped_units: self.helped_units.load(Ordering::Relaxed),
         }
     }
 }
@@ -285,6 +340,7 @@ impl RenderEngine {
                     next_id: 1,
                     units: 0,
                     stop: false,
+                    thread_holds: 0,
                 }),
                 wake: Condvar::new(),
             }),
@@ -328,6 +384,17 @@ impl RenderEngine {
     /// Lanes (attached GPUs) currently on the engine.
     pub fn lanes(&self) -> usize {
         lock(&self.inner.state).lanes.len()
+    }
+
+    /// Keep the engine thread from starting units until the hold is dropped: the stand-in,
+    /// in tests, for an engine thread that gets no CPU on a busy host. The fetchers still
+    /// execute what "Who executes" (module doc) gives them.
+    #[cfg(feature = "testing")]
+    pub fn hold_thread(self: &Arc<Self>) -> EngineThreadHold {
+        lock(&self.inner.state).thread_holds += 1;
+        EngineThreadHold {
+            inner: self.inner.clone(),
+        }
     }
 
     /// Add a lane with `weight`; starts the engine thread if it is not running.
@@ -377,12 +444,12 @@ impl RenderEngine {
         st.lanes.remove(&id);
     }
 
-    /// The fetcher hands over a work item (the lane has none: see `LaneCtx::busy`). If the
-    /// scheduler's next pick is then this lane, the calling fetcher executes that one unit
-    /// itself, at once, instead of waiting for the engine thread, which may be inside
-    /// another lane's unit or waiting for a CPU: the scheduler chose the unit and charges
-    /// it as if the engine had run it; only the thread differs. See the module doc, "Who
-    /// executes".
+    /// The fetcher hands over a work item (the lane has none: see `LaneCtx::busy`). The
+    /// calling fetcher then executes, in the scheduler's order, the units of other lanes
+    /// that are ahead of this one (at most [`HELP_LIMIT`]) and this lane's first unit,
+    /// instead of waiting for the engine thread, which may be inside another lane's unit or
+    /// waiting for a CPU: the scheduler chose every unit and charges it as if the engine
+    /// had run it; only the thread differs. See the module doc, "Who executes".
     pub(super) fn submit(&self, id: LaneId, work: Work) {
         let mut st = lock(&self.inner.state);
         let State {
@@ -403,11 +470,47 @@ impl RenderEngine {
             return;
         }
         make_ready(lane, sched, id, *units);
-        if st.stop || !st.sched.at_front(id) {
-            self.inner.wake.notify_one();
-            return;
+        let counters = lane.ctx.clone();
+        let mut helped = 0;
+        loop {
+            if st.stop {
+                self.inner.wake.notify_one();
+                return;
+            }
+            // Still ours to run: the engine thread may have picked the lane meanwhile.
+            if st.lanes.get(&id).map(|l| l.run) != Some(Run::Ready) {
+                if st.sched.ready_len() > 0 {
+                    self.inner.wake.notify_one();
+                }
+                return;
+            }
+            if st.sched.at_front(id) {
+                break;
+            }
+            if helped == HELP_LIMIT {
+                self.inner.wake.notify_one();
+                return;
+            }
+            // A unit the scheduler picks before this lane's: run it here. Meanwhile the
+            // lane is out of the ready set (its pass kept), so that no other thread picks
+            // its unit while this one, which has a CPU, is about to run it.
+            st.sched.unready(id);
+            let (next, done) = step(&self.inner, st, Quantum::Unit);
+            st = next;
+            if st.lanes.get(&id).map(|l| l.run) == Some(Run::Ready) {
+                st.sched.ready(id);
+            }
+            if done == Step::NoWork {
+                continue;
+            }
+            helped += 1;
+            counters
+                .shared
+                .engine
+                .helped_units
+                .fetch_add(1, Ordering::Relaxed);
         }
-        let (st, _) = step_lane(&self.inner, st, Some(id));
+        let (st, _) = step_lane(&self.inner, st, Some(id), Quantum::Unit);
         // The lane may have work left, and the engine thread may have found the ready set
         // empty while this thread held the lane.
         if st.sched.ready_len() > 0 {
@@ -451,6 +554,23 @@ impl RenderEngine {
             sched.unready(id);
             lane.run = Run::Idle;
         }
+    }
+}
+
+/// While held ([`RenderEngine::hold_thread`]), the engine thread starts no unit.
+#[cfg(feature = "testing")]
+#[must_use = "the engine thread runs again as soon as the hold is dropped"]
+pub struct EngineThreadHold {
+    inner: Arc<Inner>,
+}
+
+#[cfg(feature = "testing")]
+impl Drop for EngineThreadHold {
+    fn drop(&mut self) {
+        let mut st = lock(&self.inner.state);
+        st.thread_holds = st.thread_holds.saturating_sub(1);
+        drop(st);
+        self.inner.wake.notify_all();
     }
 }
 
@@ -501,6 +621,26 @@ fn set_own_nice(engine: &str, nice: Option<i32>) -> i32 {
     tid
 }
 
+/// How much of the picked lane's work one scheduling step executes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Quantum {
+    /// One unit: a fetcher's (its own lane's first unit, or a unit ahead of it).
+    Unit,
+    /// The engine thread's quantum: units of the lane until [`QUANTUM_UNITS`] units or
+    /// [`QUANTUM_WORK`] work units (module doc, "Quantum").
+    Engine,
+}
+
+impl Quantum {
+    /// After `units` units that cost `cost`: may the step run another unit of the lane?
+    fn more(self, units: u64, cost: u64) -> bool {
+        match self {
+            Quantum::Unit => false,
+            Quantum::Engine => units < QUANTUM_UNITS && cost < QUANTUM_WORK,
+        }
+    }
+}
+
 /// What one scheduling step ([`step`]) did.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
@@ -516,8 +656,12 @@ enum Step {
 /// it without the state lock (the lane is `Running`, out of the ready set, so no other step
 /// picks it meanwhile). Whoever calls it — the engine thread or a helping fetcher — the
 /// scheduler chooses the lane, so shares and the wake-up bound do not depend on the thread.
-fn step<'a>(inner: &'a Inner, st: MutexGuard<'a, State>) -> (MutexGuard<'a, State>, Step) {
-    step_lane(inner, st, None)
+fn step<'a>(
+    inner: &'a Inner,
+    st: MutexGuard<'a, State>,
+    quantum: Quantum,
+) -> (MutexGuard<'a, State>, Step) {
+    step_lane(inner, st, None, quantum)
 }
 
 /// [`step`], or with `only` the unit of that lane, which the caller has checked is at the
@@ -526,6 +670,7 @@ fn step_lane<'a>(
     inner: &'a Inner,
     mut st: MutexGuard<'a, State>,
     only: Option<LaneId>,
+    quantum: Quantum,
 ) -> (MutexGuard<'a, State>, Step) {
     let picked = match only {
         Some(id) => st.sched.take(id).then_some(id),
@@ -558,32 +703,45 @@ fn step_lane<'a>(
     }
     drop(st);
 
-    let outcome = catch_unwind(AssertUnwindSafe(|| {
-        execute::run_unit(&ctx.shared, &ctx.dma, &mut work)
-    }));
-    let (cost, executed, done, panicked) = match outcome {
-        Ok(o) => (o.cost, o.executed, o.done, false),
-        Err(_) => {
-            tracing::error!(
-                lane = id,
-                "gpu engine: a command panicked; the GPU executes nothing more until it \
-                 is reset or re-attached"
-            );
-            (UNIT_BASE_COST, true, true, true)
+    // Units of this lane until its quantum is used (see `Quantum`), the work is done, or
+    // a pause or stop asks the lane to halt.
+    let (mut cost, mut executed, mut panicked) = (0u64, 0u64, false);
+    let done = loop {
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            execute::run_unit(&ctx.shared, &ctx.dma, &mut work)
+        }));
+        let (unit_cost, unit_executed, done) = match outcome {
+            Ok(o) => (o.cost, o.executed, o.done),
+            Err(_) => {
+                tracing::error!(
+                    lane = id,
+                    "gpu engine: a command panicked; the GPU executes nothing more until it \
+                     is reset or re-attached"
+                );
+                panicked = true;
+                (UNIT_BASE_COST, true, true)
+            }
+        };
+        cost = cost.saturating_add(unit_cost);
+        if unit_executed {
+            executed += 1;
+            let counters = &ctx.shared.engine;
+            counters.commands.fetch_add(1, Ordering::Relaxed);
+            counters.work.fetch_add(unit_cost, Ordering::Relaxed);
+            if only.is_some() {
+                counters.fetcher_units.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if done || !quantum.more(executed, cost) || ctx.gate.halted() {
+            break done;
         }
     };
-    if executed {
-        let counters = &ctx.shared.engine;
-        counters.commands.fetch_add(1, Ordering::Relaxed);
-        counters.work.fetch_add(cost, Ordering::Relaxed);
-    }
 
     let mut st = lock(&inner.state);
-    if executed {
-        st.units += 1;
-    }
+    st.units += executed;
     let State { lanes, sched, .. } = &mut *st;
     sched.charge(id, cost);
+    let mut ring = false;
     if let Some(lane) = lanes.get_mut(&id) {
         if !done {
             lane.work = Some(work);
@@ -595,13 +753,22 @@ fn step_lane<'a>(
             // command would panic again) until a reset discards the lane's work.
             if !panicked {
                 ctx.busy.store(false, Ordering::SeqCst);
-                ctx.ring_fetcher();
+                ring = true;
             }
         }
     }
     // Under the state lock, after the work is back: a pause that waited for this unit
     // finds the lane's work where `discard` can drop it.
     drop(exec);
+    if ring {
+        // Not under the state lock: the woken fetcher (a short slice) may preempt this
+        // thread at once, and would then wait for the lock this thread holds while every
+        // other fetcher's submit waits too — for as long as this thread waits for a CPU
+        // again (ms on a busy host; measured with `umdev bench instances --busy-threads`).
+        drop(st);
+        ctx.ring_fetcher();
+        st = lock(&inner.state);
+    }
     (st, Step::Ran(id))
 }
 
@@ -612,7 +779,11 @@ fn run(inner: &Inner) {
         if st.stop {
             break;
         }
-        let (next, done) = step(inner, st);
+        if st.thread_holds > 0 {
+            st = inner.wake.wait(st).unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        let (next, done) = step(inner, st, Quantum::Engine);
         st = next;
         if done == Step::NoWork {
             st = inner.wake.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -624,6 +795,16 @@ fn run(inner: &Inner) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_quantum_is_one_unit_for_fetchers_and_ends_at_the_unit_or_work_limit() {
+        assert!(!Quantum::Unit.more(1, UNIT_BASE_COST));
+        assert!(Quantum::Engine.more(1, UNIT_BASE_COST));
+        assert!(Quantum::Engine.more(QUANTUM_UNITS - 1, QUANTUM_WORK - 1));
+        assert!(!Quantum::Engine.more(QUANTUM_UNITS, UNIT_BASE_COST * QUANTUM_UNITS));
+        // The unit that reaches the work limit is the last, however few units ran.
+        assert!(!Quantum::Engine.more(1, QUANTUM_WORK));
+    }
 
     #[test]
     fn test_fetcher_slice_defaults_to_the_framework_s_and_can_be_turned_off() {

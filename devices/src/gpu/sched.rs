@@ -5,7 +5,9 @@
 //! Each client (one GPU instance on the engine) has a *weight* `w` (its tickets) and a
 //! *stride* `STRIDE1 / w`; the scheduler keeps a *pass* per client and a *virtual time*
 //! `vtime`. The engine runs one unit at a time (one ring command of one instance, never
-//! preempted) and charges the client for what the unit cost (`cost`, in work units: see
+//! preempted; the engine thread runs a quantum of up to 16 commands of one instance as one
+//! unit, engine.rs "Quantum", and the bounds below then hold with that quantum for a unit)
+//! and charges the client for what the unit cost (`cost`, in work units: see
 //! `execute.rs`):
 //!
 //! - [`StrideScheduler::pick`] takes the ready client with the smallest `(pass, seq)` and

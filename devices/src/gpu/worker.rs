@@ -244,8 +244,8 @@ impl Gate {
         self.changed.wait(g).unwrap_or_else(|e| e.into_inner())
     }
 
-    /// True if the fetcher must leave at this boundary.
-    fn halted(&self) -> bool {
+    /// True if the fetcher must leave at this boundary (and the engine end its quantum).
+    pub(super) fn halted(&self) -> bool {
         self.halt.load(Ordering::Acquire)
     }
 
