@@ -13,6 +13,7 @@ use umdev::device::{region_index, Device};
 use umdev::instance::{CreateRequest, Params, Parent};
 use umdev::protocol::Command as Wire;
 use umdev::testing::{DeviceAccess, DmaRequest, FdlessMemory, RawClient, TestServer, Vmm};
+use umdev_devices::gpu::engine::EngineThreadHold;
 use umdev_devices::gpu::regs::*;
 use umdev_devices::gpu::{Command, EngineStats, GpuHandle, GpuParent, GpuParentConfig};
 
@@ -598,19 +599,14 @@ fn fence_ran(i: &mut Instance, value: u32, within: Duration) -> bool {
     true
 }
 
-/// The engine thread gets no CPU (held: the stand-in for a busy host, where it runs flat
-/// out and waits ms for a CPU whenever it loses one). An idle instance's FENCEs still run,
-/// each on its own fetcher right after the doorbell: when a flooder's unit is ahead of it
-/// in the scheduler's order, the fetcher runs that unit first, so the order and the shares
-/// stay the scheduler's. Before, such a FENCE waited for the engine thread.
-#[test]
-fn test_gpu_parent_fence_behind_a_flooder_runs_on_its_fetcher_while_the_engine_thread_waits() {
+/// A parent with the engine thread held and two `gpu-4m` instances: one flooding with 1×1
+/// fills (the first of them executed, on its fetcher; the rest waiting for the engine) and
+/// an idle one; and the flood's command count.
+fn held_engine_beside_a_flood() -> (GpuParent, EngineThreadHold, Instance, Instance, u64) {
     let parent = parent();
     let mut flooder = instance(&parent, "f", "gpu-4m");
-    let mut idle = instance(&parent, "idle", "gpu-4m");
+    let idle = instance(&parent, "idle", "gpu-4m");
     let hold = parent.engine().hold_thread();
-    // 1×1 fills (cost 65) against FENCEs (cost 64), equal weights: after two FENCEs the
-    // idle instance's pass is ahead of the flooder's, and stays within a unit of it.
     let (ring, n) = flood_ring(1, 1);
     publish(&mut flooder, &ring);
     wait_for(
@@ -618,6 +614,19 @@ fn test_gpu_parent_fence_behind_a_flooder_runs_on_its_fetcher_while_the_engine_t
         "the flood's first unit",
         |s| s[0].commands == 1,
     );
+    (parent, hold, flooder, idle, n)
+}
+
+/// The engine thread gets no CPU (held: the stand-in for a busy host, where it runs flat
+/// out and waits ms for a CPU whenever it loses one). An idle instance's FENCEs still run,
+/// each on its own fetcher right after the doorbell: when a flooder's unit is ahead of it
+/// in the scheduler's order, the fetcher runs that unit first, so the order and the shares
+/// stay the scheduler's. Before, such a FENCE waited for the engine thread.
+#[test]
+fn test_gpu_parent_fence_behind_a_flooder_runs_on_its_fetcher_while_the_engine_thread_waits() {
+    // 1×1 fills (cost 65) against FENCEs (cost 64), equal weights: after two FENCEs the
+    // idle instance's pass is ahead of the flooder's, and stays within a unit of it.
+    let (_parent, hold, mut flooder, mut idle, n) = held_engine_beside_a_flood();
     const FENCES: u32 = 20;
     for value in 1..=FENCES {
         assert!(
@@ -653,17 +662,7 @@ fn test_gpu_parent_fence_behind_a_flooder_runs_on_its_fetcher_while_the_engine_t
 #[test]
 fn test_gpu_parent_fetcher_helps_at_most_help_limit_units_then_leaves_them_to_the_engine() {
     use umdev_devices::gpu::engine::HELP_LIMIT;
-    let parent = parent();
-    let mut flooder = instance(&parent, "f", "gpu-4m");
-    let mut idle = instance(&parent, "idle", "gpu-4m");
-    let hold = parent.engine().hold_thread();
-    let (ring, _) = flood_ring(1, 1);
-    publish(&mut flooder, &ring);
-    wait_for(
-        std::slice::from_ref(&flooder),
-        "the flood's first unit",
-        |s| s[0].commands == 1,
-    );
+    let (_parent, hold, mut flooder, mut idle, _) = held_engine_beside_a_flood();
     let fill = Command::encode_bytes(&[
         Command::FillRect {
             x: 0,
