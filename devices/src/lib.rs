@@ -51,6 +51,7 @@
 pub mod ccw;
 pub mod gpu;
 pub mod nvme;
+mod parent_common;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod virtio_gpu;

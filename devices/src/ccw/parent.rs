@@ -27,24 +27,25 @@
 //!
 //! Any other key is refused.
 
-use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use umdev::device::Device;
 use umdev::instance::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
-use umdev::pci::PciAdapter;
 
 use super::format::BLOCK_SIZE;
 use super::{image, program, Ccw, CcwError};
+pub(crate) use crate::parent_common::Lease as ImageLease;
+use crate::parent_common::{
+    self, impl_type_list_error, Instances, OfferedType, Share, TypeListError,
+};
 
 /// Name of the budget resource.
 pub const RESOURCE_STORAGE: &str = "storage";
 /// The parameter that picks an existing image.
-pub const PARAM_IMAGE: &str = "image";
+pub const PARAM_IMAGE: &str = parent_common::PARAM_IMAGE;
 /// The largest capacity: its size in bytes fits a file offset (`i64`).
 const MAX_CAPACITY_MIB: u64 = (i64::MAX as u64) >> 20;
 
@@ -64,6 +65,23 @@ impl CcwType {
             name: name.to_owned(),
             capacity_mib,
         }
+    }
+}
+
+impl OfferedType for CcwType {
+    fn type_name(&self) -> &str {
+        &self.name
+    }
+
+    fn need_mib(&self) -> u64 {
+        self.capacity_mib
+    }
+
+    fn description(&self) -> String {
+        format!(
+            "channel-program block device with a {} MiB image",
+            self.capacity_mib
+        )
     }
 }
 
@@ -120,6 +138,8 @@ pub enum CcwParentError {
     },
 }
 
+impl_type_list_error!(CcwParentError);
+
 /// One live instance, as [`CcwParent::instances`] reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CcwInstanceInfo {
@@ -133,44 +153,17 @@ pub struct CcwInstanceInfo {
     pub capacity_mib: u64,
 }
 
-#[derive(Default)]
-struct Table {
-    /// Live instances by UUID.
-    instances: BTreeMap<String, CcwInstanceInfo>,
-}
-
-impl Table {
-    fn user_of(&self, image: &str) -> Option<&str> {
-        self.instances
-            .values()
-            .find(|i| i.image == image)
-            .map(|i| i.uuid.as_str())
+impl Share for CcwInstanceInfo {
+    fn share_mib(&self) -> u64 {
+        self.capacity_mib
     }
 }
 
 struct Inner {
     config: CcwParentConfig,
-    table: Mutex<Table>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What an instance's [`Ccw`] borrowed from its parent: its image and its share of the
-/// budget, given back when the device is dropped.
-pub(crate) struct ImageLease {
-    parent: Weak<Inner>,
-    uuid: String,
-}
-
-impl Drop for ImageLease {
-    fn drop(&mut self) {
-        if let Some(inner) = self.parent.upgrade() {
-            lock(&inner.table).instances.remove(&self.uuid);
-            tracing::debug!(uuid = %self.uuid, "ccw parent: instance released its image");
-        }
-    }
+    /// Live instances by UUID: from `create` until the device drops its [`ImageLease`] (its
+    /// image and its share of the budget), after the image is flushed.
+    table: Arc<Instances<CcwInstanceInfo>>,
 }
 
 /// ccw instances on a directory of images (see the module doc). Cheap to clone; clones are
@@ -188,88 +181,6 @@ impl std::fmt::Debug for CcwParent {
     }
 }
 
-/// Check an image file name (see the module doc; the NVMe parent's images follow the same
-/// rules).
-pub(crate) fn check_image_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("empty image name".into());
-    }
-    if name.len() > 255 {
-        return Err("image name longer than 255 bytes".into());
-    }
-    if name.contains('/') || name.contains('\0') {
-        return Err(
-            "an image is named by its file name in the image directory, \
-                    without '/'"
-                .into(),
-        );
-    }
-    if name.starts_with('.') || name.contains("..") {
-        return Err("an image name may not start with '.' or contain '..'".into());
-    }
-    Ok(())
-}
-
-/// Open image `name` (checked by [`check_image_name`]) in `dir` for an instance: an
-/// existing regular file (or a new one when `create`), never through a symbolic link.
-pub(crate) fn open_image_in(dir: &Path, name: &str, create: bool) -> Result<File, InstanceError> {
-    let path = dir.join(name);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(create)
-        .truncate(false)
-        // No link is followed; opening a special file does not block (it is refused
-        // below); O_NONBLOCK changes nothing for a regular file's pread/pwrite.
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(&path);
-    let file = match file {
-        Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("no image {name:?} in {}", dir.display()),
-            ))
-        }
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("image {name:?} is a symbolic link"),
-            ))
-        }
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EISDIR | libc::ENXIO)) => {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("image {name:?} is not a regular file"),
-            ))
-        }
-        Err(source) => {
-            return Err(InstanceError::Io {
-                what: format!("opening image {}", path.display()),
-                source,
-            })
-        }
-    };
-    let meta = file.metadata().map_err(|source| InstanceError::Io {
-        what: format!("reading image {}", path.display()),
-        source,
-    })?;
-    if !meta.is_file() {
-        return Err(bad_param(
-            PARAM_IMAGE,
-            format!("image {name:?} is not a regular file"),
-        ));
-    }
-    Ok(file)
-}
-
-pub(crate) fn bad_param(name: &str, why: impl Into<String>) -> InstanceError {
-    InstanceError::BadParam {
-        name: name.to_owned(),
-        why: why.into(),
-    }
-}
-
 impl CcwParent {
     /// A parent with `config` (checked: a non-empty budget, unique type names, capacities
     /// of at least 1 MiB that fit the budget; the directory is created if missing).
@@ -277,42 +188,26 @@ impl CcwParent {
         if config.budget_mib == 0 {
             return Err(CcwParentError::EmptyBudget);
         }
-        if config.types.is_empty() {
-            return Err(CcwParentError::NoTypes);
-        }
-        for (i, t) in config.types.iter().enumerate() {
-            let bad = |why: &str| CcwParentError::BadType {
-                name: t.name.clone(),
-                why: why.to_owned(),
-            };
-            if config.types[..i].iter().any(|o| o.name == t.name) {
-                return Err(CcwParentError::DuplicateType(t.name.clone()));
-            }
-            if t.name.is_empty() {
-                return Err(bad("empty name"));
-            }
+        CcwParentError::check_types(&config.types, |t| {
             if t.capacity_mib == 0 {
-                return Err(bad("the capacity is 0 MiB"));
+                return Err("the capacity is 0 MiB".into());
             }
             if t.capacity_mib > config.budget_mib {
-                return Err(bad("the capacity is larger than the budget"));
+                return Err("the capacity is larger than the budget".into());
             }
             if t.capacity_mib > MAX_CAPACITY_MIB {
-                return Err(bad("the capacity is too large for a file"));
+                return Err("the capacity is too large for a file".into());
             }
-        }
-        let dir_err = |source| CcwParentError::Dir {
+            Ok(())
+        })?;
+        parent_common::ensure_dir(&config.dir).map_err(|source| CcwParentError::Dir {
             path: config.dir.clone(),
             source,
-        };
-        std::fs::create_dir_all(&config.dir).map_err(dir_err)?;
-        if !std::fs::metadata(&config.dir).map_err(dir_err)?.is_dir() {
-            return Err(dir_err(io::Error::from_raw_os_error(libc::ENOTDIR)));
-        }
+        })?;
         Ok(CcwParent {
             inner: Arc::new(Inner {
                 config,
-                table: Mutex::default(),
+                table: Instances::new(),
             }),
         })
     }
@@ -324,20 +219,12 @@ impl CcwParent {
 
     /// MiB of the budget held by live instances.
     pub fn budget_used_mib(&self) -> u64 {
-        lock(&self.inner.table)
-            .instances
-            .values()
-            .map(|i| i.capacity_mib)
-            .sum()
+        self.inner.table.used_mib()
     }
 
     /// The live instances, in UUID order.
     pub fn instances(&self) -> Vec<CcwInstanceInfo> {
-        lock(&self.inner.table)
-            .instances
-            .values()
-            .cloned()
-            .collect()
+        self.inner.table.lock().values().cloned().collect()
     }
 
     /// The path of an image of this parent.
@@ -345,54 +232,29 @@ impl CcwParent {
         self.inner.config.dir.join(name)
     }
 
-    fn find_type(&self, name: &str) -> Result<&CcwType, InstanceError> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| InstanceError::UnknownType(name.to_owned()))
-    }
-
-    /// Open image `name` for an instance (see [`open_image_in`]).
+    /// Open image `name` for an instance (see [`parent_common::open_image_in`]).
     fn open_image(&self, name: &str, create: bool) -> Result<File, InstanceError> {
-        open_image_in(&self.inner.config.dir, name, create)
+        parent_common::open_image_in(&self.inner.config.dir, name, create)
     }
 
     /// The storage budget, the one resource this parent shares.
     fn storage(&self) -> Resource {
-        Resource {
-            name: RESOURCE_STORAGE.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.budget_mib,
-        }
+        parent_common::mib_resource(RESOURCE_STORAGE, self.inner.config.budget_mib)
     }
 
     /// Build instance `req` as a [`Ccw`] (what [`Parent::create`] serves through a
-    /// [`PciAdapter`]): its share of the budget and its image are taken.
+    /// [`PciAdapter`](umdev::pci::PciAdapter)): its share of the budget and its image are
+    /// taken.
     pub fn create_ccw(&self, req: CreateRequest<'_>) -> Result<Ccw, InstanceError> {
-        let ty = self.find_type(req.type_name)?;
+        let ty = parent_common::find_type(&self.inner.config.types, req.type_name)?;
         self.check_params(req.type_name, req.params)?;
-        let (name, create) = match req.params.get(PARAM_IMAGE) {
-            Some(name) => (name.clone(), false),
-            None => {
-                let name = format!("{}.img", req.uuid);
-                check_image_name(&name).map_err(|why| bad_param("uuid", why))?;
-                (name, true)
-            }
-        };
-        let mut table = lock(&self.inner.table);
-        if table.instances.contains_key(req.uuid) {
-            return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
-        }
-        let used: u64 = table.instances.values().map(|i| i.capacity_mib).sum();
-        self.storage().check_room(&ty.name, used, ty.capacity_mib)?;
-        if let Some(user) = table.user_of(&name) {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("image {name:?} is used by instance {user}"),
-            ));
-        }
+        let (name, create) = parent_common::image_of(req.uuid, req.params)?;
+        let mut table = self.inner.table.lock();
+        parent_common::admit(&table, &self.storage(), req.uuid, ty)?;
+        parent_common::check_image_unused(
+            &name,
+            table.values().map(|i| (i.uuid.as_str(), i.image.as_str())),
+        )?;
         let file = self.open_image(&name, create)?;
         let blocks = (ty.capacity_mib << 20) / BLOCK_SIZE;
         let path = self.image_path(&name);
@@ -404,7 +266,7 @@ impl CcwParent {
             };
             InstanceError::Io { what, source }
         })?;
-        table.instances.insert(
+        table.insert(
             req.uuid.to_owned(),
             CcwInstanceInfo {
                 uuid: req.uuid.to_owned(),
@@ -422,10 +284,11 @@ impl CcwParent {
             "ccw parent: instance created"
         );
         Ok(
-            Ccw::with_image(file, blocks, program::DEFAULT_MAX_CCWS).with_lease(ImageLease {
-                parent: Arc::downgrade(&self.inner),
-                uuid: req.uuid.to_owned(),
-            }),
+            Ccw::with_image(file, blocks, program::DEFAULT_MAX_CCWS).with_lease(Instances::lease(
+                &self.inner.table,
+                req.uuid,
+                "ccw parent: instance released its image",
+            )),
         )
     }
 }
@@ -440,67 +303,21 @@ impl Parent for CcwParent {
     }
 
     fn types(&self) -> Vec<InstanceType> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .map(|t| InstanceType {
-                name: t.name.clone(),
-                description: format!(
-                    "channel-program block device with a {} MiB image",
-                    t.capacity_mib
-                ),
-                device_api: "vfio-pci".to_owned(),
-                needs: vec![(RESOURCE_STORAGE.to_owned(), t.capacity_mib)],
-            })
-            .collect()
+        parent_common::pci_types(&self.inner.config.types, RESOURCE_STORAGE)
     }
 
     fn check_params(&self, _type_name: &str, params: &Params) -> Result<(), InstanceError> {
-        for (k, v) in params {
-            if k != PARAM_IMAGE {
-                return Err(bad_param(
-                    k,
-                    format!("unknown parameter (ccw instances take only {PARAM_IMAGE}=<name>)"),
-                ));
-            }
-            check_image_name(v).map_err(|why| bad_param(k, why))?;
-        }
-        Ok(())
+        parent_common::check_image_params("ccw", params)
     }
 
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
-        let ccw = self.create_ccw(req)?;
-        Ok(Box::new(
-            PciAdapter::new(ccw).map_err(InstanceError::Device)?,
-        ))
+        parent_common::pci_device(self.create_ccw(req)?)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn test_check_image_name_refuses_paths_and_dots() {
-        for bad in [
-            "",
-            "..",
-            ".",
-            "../x",
-            "a/b",
-            "/etc/passwd",
-            ".hidden",
-            "a..b",
-            "x\0y",
-        ] {
-            assert!(check_image_name(bad).is_err(), "{bad:?} accepted");
-        }
-        assert!(check_image_name(&"x".repeat(256)).is_err());
-        for good in ["disk.img", "a-b_c.raw", "x"] {
-            assert!(check_image_name(good).is_ok(), "{good:?} refused");
-        }
-    }
 
     #[test]
     fn test_ccw_parent_config_checks() {

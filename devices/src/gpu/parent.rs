@@ -63,18 +63,19 @@
 //! None: every instance of a type is the same. Unknown keys are refused
 //! ([`InstanceError::BadParam`]).
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use umdev::device::Device;
 use umdev::instance::{CreateRequest, InstanceError, InstanceType, Parent, Resource};
-use umdev::pci::PciAdapter;
 
 use super::engine::{EngineStats, RenderEngine};
-use super::gtt::lock;
 use super::handle::GpuHandle;
 use super::sched::MAX_WEIGHT;
 use super::{Gpu, GpuConfig};
+pub(crate) use crate::parent_common::Lease;
+use crate::parent_common::{
+    self, impl_type_list_error, Instances, OfferedType, Share, TypeListError,
+};
 
 /// Name of the pool resource.
 pub const RESOURCE_FRAMEBUFFER: &str = "framebuffer";
@@ -98,6 +99,23 @@ impl GpuType {
             fb_mib,
             weight,
         }
+    }
+}
+
+impl OfferedType for GpuType {
+    fn type_name(&self) -> &str {
+        &self.name
+    }
+
+    fn need_mib(&self) -> u64 {
+        self.fb_mib
+    }
+
+    fn description(&self) -> String {
+        format!(
+            "GPU with a {} MiB framebuffer, weight {} on the shared render engine",
+            self.fb_mib, self.weight
+        )
     }
 }
 
@@ -202,6 +220,8 @@ pub enum GpuParentError {
     },
 }
 
+impl_type_list_error!(GpuParentError);
+
 /// One live instance, as [`GpuParent::instances`] reports it.
 #[derive(Clone, Debug)]
 pub struct GpuInstanceInfo {
@@ -224,27 +244,18 @@ struct Entry {
     handle: GpuHandle,
 }
 
+impl Share for Entry {
+    fn share_mib(&self) -> u64 {
+        self.fb_mib
+    }
+}
+
 struct Inner {
     config: GpuParentConfig,
     engine: Arc<RenderEngine>,
-    /// Live instances by UUID: from `create` until the device is dropped.
-    instances: Mutex<BTreeMap<String, Entry>>,
-}
-
-/// What an instance's [`Gpu`] borrowed from its parent: its entry (and so its share of the
-/// pool), removed when the GPU is dropped.
-pub(crate) struct Lease {
-    parent: Weak<Inner>,
-    uuid: String,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(inner) = self.parent.upgrade() {
-            lock(&inner.instances).remove(&self.uuid);
-            tracing::debug!(uuid = %self.uuid, "gpu parent: instance released its share");
-        }
-    }
+    /// Live instances by UUID: from `create` until the device drops its [`Lease`] (its
+    /// entry, and so its share of the pool).
+    instances: Arc<Instances<Entry>>,
 }
 
 /// GPU instances sharing a framebuffer pool and a render engine (see the module doc).
@@ -274,37 +285,23 @@ impl GpuParent {
         if let Some(nice) = config.engine_nice.filter(|n| !(-20..=19).contains(n)) {
             return Err(GpuParentError::BadEngineNice(nice));
         }
-        if config.types.is_empty() {
-            return Err(GpuParentError::NoTypes);
-        }
-        for (i, t) in config.types.iter().enumerate() {
-            let bad = |why: &str| GpuParentError::BadType {
-                name: t.name.clone(),
-                why: why.to_owned(),
-            };
-            if config.types[..i].iter().any(|o| o.name == t.name) {
-                return Err(GpuParentError::DuplicateType(t.name.clone()));
-            }
-            if t.name.is_empty() {
-                return Err(bad("empty name"));
-            }
+        GpuParentError::check_types(&config.types, |t| {
             if !t.fb_mib.is_power_of_two() || t.fb_mib > 2048 {
-                return Err(bad(
-                    "the framebuffer must be a power of two from 1 to 2048 MiB",
-                ));
+                return Err("the framebuffer must be a power of two from 1 to 2048 MiB".into());
             }
             if t.fb_mib > config.pool_mib {
-                return Err(bad("the framebuffer is larger than the pool"));
+                return Err("the framebuffer is larger than the pool".into());
             }
             if !(1..=MAX_WEIGHT).contains(&t.weight) {
-                return Err(bad("the weight must be 1..=65536"));
+                return Err("the weight must be 1..=65536".into());
             }
-        }
+            Ok(())
+        })?;
         Ok(GpuParent {
             inner: Arc::new(Inner {
                 engine: RenderEngine::with_nice("gpu-pool", config.engine_nice),
                 config,
-                instances: Mutex::new(BTreeMap::new()),
+                instances: Instances::new(),
             }),
         })
     }
@@ -321,12 +318,14 @@ impl GpuParent {
 
     /// MiB of the pool held by live instances.
     pub fn pool_used_mib(&self) -> u64 {
-        lock(&self.inner.instances).values().map(|e| e.fb_mib).sum()
+        self.inner.instances.used_mib()
     }
 
     /// The live instances (UUID order), with what the engine executed for each.
     pub fn instances(&self) -> Vec<GpuInstanceInfo> {
-        lock(&self.inner.instances)
+        self.inner
+            .instances
+            .lock()
             .iter()
             .map(|(uuid, e)| GpuInstanceInfo {
                 uuid: uuid.clone(),
@@ -340,42 +339,26 @@ impl GpuParent {
 
     /// An observer of instance `uuid` (framebuffer, mode, pins, engine counters).
     pub fn handle(&self, uuid: &str) -> Option<GpuHandle> {
-        lock(&self.inner.instances)
+        self.inner
+            .instances
+            .lock()
             .get(uuid)
             .map(|e| e.handle.clone())
     }
 
-    fn find_type(&self, name: &str) -> Result<&GpuType, InstanceError> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| InstanceError::UnknownType(name.to_owned()))
-    }
-
     /// The framebuffer pool, the one resource this parent shares.
     fn framebuffer_pool(&self) -> Resource {
-        Resource {
-            name: RESOURCE_FRAMEBUFFER.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.pool_mib,
-        }
+        parent_common::mib_resource(RESOURCE_FRAMEBUFFER, self.inner.config.pool_mib)
     }
 
     /// Build instance `req` as a [`Gpu`] (what [`Parent::create`] serves through a
-    /// [`PciAdapter`]): its share of the pool is taken, its commands go to the shared
-    /// engine with its type's weight.
+    /// [`PciAdapter`](umdev::pci::PciAdapter)): its share of the pool is taken, its
+    /// commands go to the shared engine with its type's weight.
     pub fn create_gpu(&self, req: CreateRequest<'_>) -> Result<Gpu, InstanceError> {
-        let ty = self.find_type(req.type_name)?;
+        let ty = parent_common::find_type(&self.inner.config.types, req.type_name)?;
         self.check_params(req.type_name, req.params)?;
-        let mut instances = lock(&self.inner.instances);
-        if instances.contains_key(req.uuid) {
-            return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
-        }
-        let used: u64 = instances.values().map(|e| e.fb_mib).sum();
-        self.framebuffer_pool()
-            .check_room(&ty.name, used, ty.fb_mib)?;
+        let mut instances = self.inner.instances.lock();
+        parent_common::admit(&instances, &self.framebuffer_pool(), req.uuid, ty)?;
         let config = GpuConfig {
             fb_size: ty.fb_mib << 20,
         };
@@ -401,10 +384,11 @@ impl GpuParent {
             fb_mib = ty.fb_mib,
             "gpu parent: instance created"
         );
-        Ok(gpu.with_lease(Lease {
-            parent: Arc::downgrade(&self.inner),
-            uuid: req.uuid.to_owned(),
-        }))
+        Ok(gpu.with_lease(Instances::lease(
+            &self.inner.instances,
+            req.uuid,
+            "gpu parent: instance released its share",
+        )))
     }
 }
 
@@ -418,27 +402,11 @@ impl Parent for GpuParent {
     }
 
     fn types(&self) -> Vec<InstanceType> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .map(|t| InstanceType {
-                name: t.name.clone(),
-                description: format!(
-                    "GPU with a {} MiB framebuffer, weight {} on the shared render engine",
-                    t.fb_mib, t.weight
-                ),
-                device_api: "vfio-pci".to_owned(),
-                needs: vec![(RESOURCE_FRAMEBUFFER.to_owned(), t.fb_mib)],
-            })
-            .collect()
+        parent_common::pci_types(&self.inner.config.types, RESOURCE_FRAMEBUFFER)
     }
 
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
-        let gpu = self.create_gpu(req)?;
-        Ok(Box::new(
-            PciAdapter::new(gpu).map_err(InstanceError::Device)?,
-        ))
+        parent_common::pci_device(self.create_gpu(req)?)
     }
 }
 

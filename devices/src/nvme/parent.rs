@@ -30,21 +30,22 @@
 //! The controller's serial number is the instance's UUID without its dashes (its first 20
 //! characters), so a guest tells two instances apart.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use umdev::device::Device;
 use umdev::instance::{CreateRequest, InstanceError, InstanceType, Params, Parent, Resource};
-use umdev::pci::PciAdapter;
 
 use super::{ImageError, Nvme, NvmeConfig, MAX_IO_QUEUES};
-use crate::ccw::parent::{bad_param, check_image_name, open_image_in};
+pub(crate) use crate::parent_common::Lease as ImageLease;
+use crate::parent_common::{
+    self, impl_type_list_error, Instances, OfferedType, Share, TypeListError,
+};
 
 /// Name of the budget resource.
 pub const RESOURCE_STORAGE: &str = "storage";
 /// The parameter that picks an existing image.
-pub const PARAM_IMAGE: &str = "image";
+pub const PARAM_IMAGE: &str = parent_common::PARAM_IMAGE;
 /// The largest capacity: its size in bytes fits a file offset (`i64`).
 const MAX_CAPACITY_MIB: u64 = (i64::MAX as u64) >> 20;
 
@@ -67,6 +68,23 @@ impl NvmeType {
             capacity_mib,
             io_queues,
         }
+    }
+}
+
+impl OfferedType for NvmeType {
+    fn type_name(&self) -> &str {
+        &self.name
+    }
+
+    fn need_mib(&self) -> u64 {
+        self.capacity_mib
+    }
+
+    fn description(&self) -> String {
+        format!(
+            "NVMe controller, {} MiB namespace, {} I/O queue pairs",
+            self.capacity_mib, self.io_queues
+        )
     }
 }
 
@@ -131,6 +149,8 @@ pub enum NvmeParentError {
     },
 }
 
+impl_type_list_error!(NvmeParentError);
+
 /// One live instance, as [`NvmeParent::instances`] reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvmeInstanceInfo {
@@ -144,30 +164,18 @@ pub struct NvmeInstanceInfo {
     pub capacity_mib: u64,
 }
 
+impl Share for NvmeInstanceInfo {
+    fn share_mib(&self) -> u64 {
+        self.capacity_mib
+    }
+}
+
 struct Inner {
     config: NvmeParentConfig,
-    /// Live instances by UUID.
-    table: Mutex<BTreeMap<String, NvmeInstanceInfo>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What an instance's [`Nvme`] borrowed from its parent: its image and its share of the
-/// budget, given back when the controller is dropped.
-pub(crate) struct ImageLease {
-    parent: Weak<Inner>,
-    uuid: String,
-}
-
-impl Drop for ImageLease {
-    fn drop(&mut self) {
-        if let Some(inner) = self.parent.upgrade() {
-            lock(&inner.table).remove(&self.uuid);
-            tracing::debug!(uuid = %self.uuid, "nvme parent: instance released its image");
-        }
-    }
+    /// Live instances by UUID: from `create` until the controller drops its [`ImageLease`]
+    /// (its image and its share of the budget), after its threads end and the image is
+    /// flushed.
+    table: Arc<Instances<NvmeInstanceInfo>>,
 }
 
 /// NVMe instances on a directory of images (see the module doc). Cheap to clone; clones
@@ -208,48 +216,32 @@ impl NvmeParent {
         if config.budget_mib == 0 {
             return Err(NvmeParentError::EmptyBudget);
         }
-        if config.types.is_empty() {
-            return Err(NvmeParentError::NoTypes);
-        }
-        for (i, t) in config.types.iter().enumerate() {
-            let bad = |why: String| NvmeParentError::BadType {
-                name: t.name.clone(),
-                why,
-            };
-            if config.types[..i].iter().any(|o| o.name == t.name) {
-                return Err(NvmeParentError::DuplicateType(t.name.clone()));
-            }
-            if t.name.is_empty() {
-                return Err(bad("empty name".into()));
-            }
+        NvmeParentError::check_types(&config.types, |t| {
             if t.capacity_mib == 0 {
-                return Err(bad("the capacity is 0 MiB".into()));
+                return Err("the capacity is 0 MiB".into());
             }
             if t.capacity_mib > config.budget_mib {
-                return Err(bad("the capacity is larger than the budget".into()));
+                return Err("the capacity is larger than the budget".into());
             }
             if t.capacity_mib > MAX_CAPACITY_MIB {
-                return Err(bad("the capacity is too large for a file".into()));
+                return Err("the capacity is too large for a file".into());
             }
             if !(1..=MAX_IO_QUEUES).contains(&t.io_queues) {
-                return Err(bad(format!(
+                return Err(format!(
                     "{} I/O queue pairs (1 to {MAX_IO_QUEUES})",
                     t.io_queues
-                )));
+                ));
             }
-        }
-        let dir_err = |source| NvmeParentError::Dir {
+            Ok(())
+        })?;
+        parent_common::ensure_dir(&config.dir).map_err(|source| NvmeParentError::Dir {
             path: config.dir.clone(),
             source,
-        };
-        std::fs::create_dir_all(&config.dir).map_err(dir_err)?;
-        if !std::fs::metadata(&config.dir).map_err(dir_err)?.is_dir() {
-            return Err(dir_err(std::io::Error::from_raw_os_error(libc::ENOTDIR)));
-        }
+        })?;
         Ok(NvmeParent {
             inner: Arc::new(Inner {
                 config,
-                table: Mutex::default(),
+                table: Instances::new(),
             }),
         })
     }
@@ -261,15 +253,12 @@ impl NvmeParent {
 
     /// MiB of the budget held by live instances.
     pub fn budget_used_mib(&self) -> u64 {
-        lock(&self.inner.table)
-            .values()
-            .map(|i| i.capacity_mib)
-            .sum()
+        self.inner.table.used_mib()
     }
 
     /// The live instances, in UUID order.
     pub fn instances(&self) -> Vec<NvmeInstanceInfo> {
-        lock(&self.inner.table).values().cloned().collect()
+        self.inner.table.lock().values().cloned().collect()
     }
 
     /// The path of an image of this parent.
@@ -277,50 +266,25 @@ impl NvmeParent {
         self.inner.config.dir.join(name)
     }
 
-    fn find_type(&self, name: &str) -> Result<&NvmeType, InstanceError> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .find(|t| t.name == name)
-            .ok_or_else(|| InstanceError::UnknownType(name.to_owned()))
-    }
-
     /// The storage budget, the one resource this parent shares.
     fn storage(&self) -> Resource {
-        Resource {
-            name: RESOURCE_STORAGE.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.budget_mib,
-        }
+        parent_common::mib_resource(RESOURCE_STORAGE, self.inner.config.budget_mib)
     }
 
     /// Build instance `req` as an [`Nvme`] controller (what [`Parent::create`] serves
-    /// through a [`PciAdapter`]): its share of the budget and its image are taken.
+    /// through a [`PciAdapter`](umdev::pci::PciAdapter)): its share of the budget and its
+    /// image are taken.
     pub fn create_nvme(&self, req: CreateRequest<'_>) -> Result<Nvme, InstanceError> {
-        let ty = self.find_type(req.type_name)?;
+        let ty = parent_common::find_type(&self.inner.config.types, req.type_name)?;
         self.check_params(req.type_name, req.params)?;
-        let (name, create) = match req.params.get(PARAM_IMAGE) {
-            Some(name) => (name.clone(), false),
-            None => {
-                let name = format!("{}.img", req.uuid);
-                check_image_name(&name).map_err(|why| bad_param("uuid", why))?;
-                (name, true)
-            }
-        };
-        let mut table = lock(&self.inner.table);
-        if table.contains_key(req.uuid) {
-            return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
-        }
-        let used: u64 = table.values().map(|i| i.capacity_mib).sum();
-        self.storage().check_room(&ty.name, used, ty.capacity_mib)?;
-        if let Some(user) = table.values().find(|i| i.image == name) {
-            return Err(bad_param(
-                PARAM_IMAGE,
-                format!("image {name:?} is used by instance {}", user.uuid),
-            ));
-        }
-        let file = open_image_in(&self.inner.config.dir, &name, create)?;
+        let (name, create) = parent_common::image_of(req.uuid, req.params)?;
+        let mut table = self.inner.table.lock();
+        parent_common::admit(&table, &self.storage(), req.uuid, ty)?;
+        parent_common::check_image_unused(
+            &name,
+            table.values().map(|i| (i.uuid.as_str(), i.image.as_str())),
+        )?;
+        let file = parent_common::open_image_in(&self.inner.config.dir, &name, create)?;
         let path = self.image_path(&name);
         let mut config = NvmeConfig::new(&path).with_size(ty.capacity_mib << 20);
         config.max_io_queues = ty.io_queues;
@@ -355,10 +319,11 @@ impl NvmeParent {
             io_queues = ty.io_queues,
             "nvme parent: instance created"
         );
-        Ok(nvme.with_lease(ImageLease {
-            parent: Arc::downgrade(&self.inner),
-            uuid: req.uuid.to_owned(),
-        }))
+        Ok(nvme.with_lease(Instances::lease(
+            &self.inner.table,
+            req.uuid,
+            "nvme parent: instance released its image",
+        )))
     }
 }
 
@@ -372,40 +337,15 @@ impl Parent for NvmeParent {
     }
 
     fn types(&self) -> Vec<InstanceType> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .map(|t| InstanceType {
-                name: t.name.clone(),
-                description: format!(
-                    "NVMe controller, {} MiB namespace, {} I/O queue pairs",
-                    t.capacity_mib, t.io_queues
-                ),
-                device_api: "vfio-pci".to_owned(),
-                needs: vec![(RESOURCE_STORAGE.to_owned(), t.capacity_mib)],
-            })
-            .collect()
+        parent_common::pci_types(&self.inner.config.types, RESOURCE_STORAGE)
     }
 
     fn check_params(&self, _type_name: &str, params: &Params) -> Result<(), InstanceError> {
-        for (k, v) in params {
-            if k != PARAM_IMAGE {
-                return Err(bad_param(
-                    k,
-                    format!("unknown parameter (nvme instances take only {PARAM_IMAGE}=<name>)"),
-                ));
-            }
-            check_image_name(v).map_err(|why| bad_param(k, why))?;
-        }
-        Ok(())
+        parent_common::check_image_params("nvme", params)
     }
 
     fn create(&self, req: CreateRequest<'_>) -> Result<Box<dyn Device>, InstanceError> {
-        let nvme = self.create_nvme(req)?;
-        Ok(Box::new(
-            PciAdapter::new(nvme).map_err(InstanceError::Device)?,
-        ))
+        parent_common::pci_device(self.create_nvme(req)?)
     }
 }
 

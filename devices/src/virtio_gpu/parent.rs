@@ -46,16 +46,18 @@
 //! resource memory in use); [`Parent::screenshot`] (`umdev screenshot`, `umdev view`) is
 //! its scanout as PNG: the picture copied under the device's state lock, encoded after it.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::Arc;
 
 use umdev::device::Device;
 use umdev::instance::{CreateRequest, InstanceError, InstanceType, Parent, Resource, Screenshot};
-use umdev::pci::PciAdapter;
 use umdev::virtio::VirtioPci;
 
 use super::edid::EDID_MAX_DIM;
 use super::{VirtioGpu, VirtioGpuConfig, VirtioGpuHandle};
+pub(crate) use crate::parent_common::Lease;
+use crate::parent_common::{
+    self, impl_type_list_error, Instances, OfferedType, Share, TypeListError,
+};
 
 /// Name of the pool resource.
 pub const RESOURCE_MEMORY: &str = "resource-memory";
@@ -85,6 +87,23 @@ impl VirtioGpuType {
             width,
             height,
         }
+    }
+}
+
+impl OfferedType for VirtioGpuType {
+    fn type_name(&self) -> &str {
+        &self.name
+    }
+
+    fn need_mib(&self) -> u64 {
+        self.memory_mib
+    }
+
+    fn description(&self) -> String {
+        format!(
+            "virtio-gpu (stock virtio_gpu driver), {}x{}, {} MiB of resource memory",
+            self.width, self.height, self.memory_mib
+        )
     }
 }
 
@@ -156,35 +175,24 @@ pub enum VirtioGpuParentError {
     },
 }
 
+impl_type_list_error!(VirtioGpuParentError);
+
 struct Entry {
     memory_mib: u64,
     handle: VirtioGpuHandle,
 }
 
+impl Share for Entry {
+    fn share_mib(&self) -> u64 {
+        self.memory_mib
+    }
+}
+
 struct Inner {
     config: VirtioGpuParentConfig,
-    /// Live instances by UUID: from `create` until the device is dropped.
-    instances: Mutex<BTreeMap<String, Entry>>,
-}
-
-fn lock(m: &Mutex<BTreeMap<String, Entry>>) -> MutexGuard<'_, BTreeMap<String, Entry>> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// What an instance's [`VirtioGpu`] borrowed from its parent: its entry (and so its share
-/// of the pool), removed when the device is dropped.
-pub(crate) struct Lease {
-    parent: Weak<Inner>,
-    uuid: String,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(inner) = self.parent.upgrade() {
-            lock(&inner.instances).remove(&self.uuid);
-            tracing::debug!(uuid = %self.uuid, "virtio-gpu parent: instance released its share");
-        }
-    }
+    /// Live instances by UUID: from `create` until the device drops its [`Lease`] (its
+    /// entry, and so its share of the pool).
+    instances: Arc<Instances<Entry>>,
 }
 
 /// virtio-gpu instances sharing a resource memory pool (see the module doc). Cheap to
@@ -210,42 +218,29 @@ impl VirtioGpuParent {
         if config.pool_mib == 0 {
             return Err(VirtioGpuParentError::EmptyPool);
         }
-        if config.types.is_empty() {
-            return Err(VirtioGpuParentError::NoTypes);
-        }
-        for (i, t) in config.types.iter().enumerate() {
-            let bad = |why: &str| VirtioGpuParentError::BadType {
-                name: t.name.clone(),
-                why: why.to_owned(),
-            };
-            if config.types[..i].iter().any(|o| o.name == t.name) {
-                return Err(VirtioGpuParentError::DuplicateType(t.name.clone()));
-            }
-            if t.name.is_empty() {
-                return Err(bad("empty name"));
-            }
+        VirtioGpuParentError::check_types(&config.types, |t| {
             if !(1..=MAX_TYPE_MIB).contains(&t.memory_mib) {
-                return Err(bad("the resource memory must be 1 to 65536 MiB"));
+                return Err("the resource memory must be 1 to 65536 MiB".into());
             }
             if t.memory_mib > config.pool_mib {
-                return Err(bad("the resource memory is larger than the pool"));
+                return Err("the resource memory is larger than the pool".into());
             }
             if !(1..=EDID_MAX_DIM).contains(&t.width) || !(1..=EDID_MAX_DIM).contains(&t.height) {
-                return Err(bad(&format!(
-                    "each side of the resolution is 1..={EDID_MAX_DIM}"
-                )));
+                return Err(format!("each side of the resolution is 1..={EDID_MAX_DIM}"));
             }
             let frame = u64::from(t.width) * u64::from(t.height) * 4;
             if frame > t.memory_mib << 20 {
-                return Err(bad(
-                    "the resource memory does not hold one full-screen frame (width × height × 4)",
-                ));
+                return Err(
+                    "the resource memory does not hold one full-screen frame (width × height × 4)"
+                        .into(),
+                );
             }
-        }
+            Ok(())
+        })?;
         Ok(VirtioGpuParent {
             inner: Arc::new(Inner {
                 config,
-                instances: Mutex::new(BTreeMap::new()),
+                instances: Instances::new(),
             }),
         })
     }
@@ -257,45 +252,30 @@ impl VirtioGpuParent {
 
     /// MiB of the pool held by live instances.
     pub fn pool_used_mib(&self) -> u64 {
-        lock(&self.inner.instances)
-            .values()
-            .map(|e| e.memory_mib)
-            .sum()
+        self.inner.instances.used_mib()
     }
 
     /// The display of live instance `uuid`.
     pub fn handle(&self, uuid: &str) -> Option<VirtioGpuHandle> {
-        lock(&self.inner.instances)
+        self.inner
+            .instances
+            .lock()
             .get(uuid)
             .map(|e| e.handle.clone())
     }
 
     fn pool(&self) -> Resource {
-        Resource {
-            name: RESOURCE_MEMORY.to_owned(),
-            unit: "MiB".to_owned(),
-            total: self.inner.config.pool_mib,
-        }
+        parent_common::mib_resource(RESOURCE_MEMORY, self.inner.config.pool_mib)
     }
 
     /// Build instance `req` as a [`VirtioGpu`] (what [`Parent::create`] serves through
-    /// [`VirtioPci`] and [`PciAdapter`]): its type's share of the pool is taken and is its
-    /// resource memory budget.
+    /// [`VirtioPci`] and [`PciAdapter`](umdev::pci::PciAdapter)): its type's share of the
+    /// pool is taken and is its resource memory budget.
     pub fn create_gpu(&self, req: CreateRequest<'_>) -> Result<VirtioGpu, InstanceError> {
-        let ty = self
-            .inner
-            .config
-            .types
-            .iter()
-            .find(|t| t.name == req.type_name)
-            .ok_or_else(|| InstanceError::UnknownType(req.type_name.to_owned()))?;
+        let ty = parent_common::find_type(&self.inner.config.types, req.type_name)?;
         self.check_params(req.type_name, req.params)?;
-        let mut instances = lock(&self.inner.instances);
-        if instances.contains_key(req.uuid) {
-            return Err(InstanceError::UuidInUse(req.uuid.to_owned()));
-        }
-        let used: u64 = instances.values().map(|e| e.memory_mib).sum();
-        self.pool().check_room(&ty.name, used, ty.memory_mib)?;
+        let mut instances = self.inner.instances.lock();
+        parent_common::admit(&instances, &self.pool(), req.uuid, ty)?;
         let config = VirtioGpuConfig {
             scanouts: vec![(ty.width, ty.height)],
             memory_budget: ty.memory_mib << 20, // ≤ MAX_TYPE_MIB: no overflow
@@ -318,10 +298,11 @@ impl VirtioGpuParent {
             memory_mib = ty.memory_mib,
             "virtio-gpu parent: instance created"
         );
-        Ok(gpu.with_lease(Lease {
-            parent: Arc::downgrade(&self.inner),
-            uuid: req.uuid.to_owned(),
-        }))
+        Ok(gpu.with_lease(Instances::lease(
+            &self.inner.instances,
+            req.uuid,
+            "virtio-gpu parent: instance released its share",
+        )))
     }
 }
 
@@ -335,20 +316,7 @@ impl Parent for VirtioGpuParent {
     }
 
     fn types(&self) -> Vec<InstanceType> {
-        self.inner
-            .config
-            .types
-            .iter()
-            .map(|t| InstanceType {
-                name: t.name.clone(),
-                description: format!(
-                    "virtio-gpu (stock virtio_gpu driver), {}x{}, {} MiB of resource memory",
-                    t.width, t.height, t.memory_mib
-                ),
-                device_api: "vfio-pci".to_owned(),
-                needs: vec![(RESOURCE_MEMORY.to_owned(), t.memory_mib)],
-            })
-            .collect()
+        parent_common::pci_types(&self.inner.config.types, RESOURCE_MEMORY)
     }
 
     fn screenshot(&self, uuid: &str, scanout: u32) -> Option<Result<Screenshot, InstanceError>> {
@@ -392,8 +360,6 @@ impl Parent for VirtioGpuParent {
         let pci = VirtioPci::new(gpu).map_err(|e| {
             InstanceError::Device(umdev::device::DeviceError::InvalidArgument(e.to_string()))
         })?;
-        Ok(Box::new(
-            PciAdapter::new(pci).map_err(InstanceError::Device)?,
-        ))
+        parent_common::pci_device(pci)
     }
 }
