@@ -194,19 +194,35 @@ pub fn encode_mig_data(data: &[u8]) -> Vec<u8> {
     v
 }
 
-/// The data of a MIG_DATA_READ reply: checks that argsz and size agree with its length.
+/// The reply to a MIG_DATA_READ of `asked` bytes that got `data` (at most `asked`):
+/// argsz `8 + data.len()`, size `data.len()`, the data, then zero bytes up to `8 + asked`.
+///
+/// The padding is libvfio-user's: its server always answers with the full asked length
+/// (the real length in argsz and size), and its client's transport refuses a reply shorter
+/// than the buffer it read into (ECONNRESET), so a shorter reply breaks every
+/// libvfio-user-based client on the first short read (protocol-docs/migration.md).
+pub fn encode_mig_data_reply(data: &[u8], asked: u32) -> Vec<u8> {
+    let mut v = encode_mig_data(data);
+    v.resize(v.len().max(MIG_DATA_HEADER_SIZE + asked as usize), 0);
+    v
+}
+
+/// The data of a MIG_DATA_READ reply: checks that argsz is `8 + size`, that the payload
+/// holds that much, and that anything after it (the padding of
+/// [`encode_mig_data_reply`]) is zero.
 pub fn decode_mig_data_reply(payload: &[u8]) -> Result<&[u8], ProtocolError> {
     let mut r = Reader::new(payload, "MIG_DATA_READ reply");
     let argsz = r.u32()?;
     let size = r.u32()?;
-    if r.remaining() != size as usize || argsz as usize != payload.len() {
+    let end = MIG_DATA_HEADER_SIZE + size as usize;
+    if argsz as usize != end || payload.len() < end || payload[end..].iter().any(|&b| b != 0) {
         return Err(ProtocolError::BadPayloadSize {
             what: "MIG_DATA_READ reply",
-            expected: MIG_DATA_HEADER_SIZE + size as usize,
+            expected: end,
             got: payload.len(),
         });
     }
-    Ok(r.rest())
+    Ok(&payload[MIG_DATA_HEADER_SIZE..end])
 }
 
 #[cfg(test)]
@@ -282,6 +298,35 @@ mod tests {
         let p = encode_mig_data(b"abc");
         assert_eq!(decode_mig_data_reply(&p).unwrap(), b"abc");
         assert!(decode_mig_data_reply(&p[..p.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn test_mig_data_reply_padded_to_the_asked_size_with_real_length_in_argsz_and_size() {
+        let p = encode_mig_data_reply(b"abc", 16);
+        assert_eq!(
+            p.len(),
+            8 + 16,
+            "libvfio-user's clients read 8 + asked bytes"
+        );
+        assert_eq!(&p[..8], &[11, 0, 0, 0, 3, 0, 0, 0], "argsz 8 + 3, size 3");
+        assert_eq!(&p[8..11], b"abc");
+        assert!(p[11..].iter().all(|&b| b == 0));
+        assert_eq!(decode_mig_data_reply(&p).unwrap(), b"abc");
+        // A full read has no padding; an empty one is all padding.
+        assert_eq!(
+            encode_mig_data_reply(&[7; 16], 16),
+            encode_mig_data(&[7; 16])
+        );
+        let empty = encode_mig_data_reply(&[], 4);
+        assert_eq!(empty, [8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(decode_mig_data_reply(&empty).unwrap(), b"");
+        // Padding that is not zero, or an argsz that counts it, is refused.
+        let mut dirty = p.clone();
+        dirty[20] = 1;
+        assert!(decode_mig_data_reply(&dirty).is_err());
+        let mut long_argsz = p.clone();
+        long_argsz[0] = 24;
+        assert!(decode_mig_data_reply(&long_argsz).is_err());
     }
 
     #[test]

@@ -27,7 +27,7 @@ use super::ServerError;
 use crate::migration::{Machine, MachineError, MigState, Quiesce};
 use crate::protocol::feature::FeatureRequest;
 use crate::protocol::migration::{
-    encode_mig_data, encode_mig_state_reply, encode_migration_reply, migration_flags, MigData,
+    encode_mig_data_reply, encode_mig_state_reply, encode_migration_reply, migration_flags, MigData,
 };
 use crate::protocol::ProtocolError;
 
@@ -114,7 +114,7 @@ impl Connection {
                     .read(size as usize, m)
                     .map_err(ServerError::Migration)?;
                 debug!(asked = size, got = data.len(), "MIG_DATA_READ");
-                Ok(Reply::from_payload(&encode_mig_data(&data)))
+                Ok(Reply::from_payload(&encode_mig_data_reply(&data, size)))
             }
             MigData::Write(data) => {
                 machine.write(data, m).map_err(ServerError::Migration)?;

@@ -116,6 +116,13 @@ impl Vmm {
         if data.len() > size as usize {
             return Err(bad(format!("{} bytes for a read of {size}", data.len())));
         }
+        // libvfio-user's clients read exactly 8 + size bytes (protocol-docs/migration.md).
+        if m.payload.len() != 8 + size as usize {
+            return Err(bad(format!(
+                "a reply of {} bytes to a read of {size}: not padded to 8 + {size}",
+                m.payload.len()
+            )));
+        }
         Ok(data.to_vec())
     }
 
