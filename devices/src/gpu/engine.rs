@@ -171,8 +171,9 @@ use super::worker::Gate;
 /// threads ask for too.
 pub const DEFAULT_FETCHER_SLICE: std::time::Duration = umdev::server::DEFAULT_THREAD_SLICE;
 
-/// The most units of other lanes a fetcher executes before its own lane's first unit
-/// (module doc, "Who executes"); past it the rest is left to the engine thread. A lane that
+/// The most scheduling steps for other lanes (a unit each) a fetcher takes before its own
+/// lane's first unit (module doc, "Who executes"); past it the rest is left to the engine
+/// thread. A lane that
 /// wakes after one small unit of its own is behind at most one unit of each lane of the
 /// same weight (a few of a heavier one), so the limit is far above what a wake-up needs and
 /// keeps a fetcher from becoming a second engine.
@@ -471,7 +472,8 @@ impl RenderEngine {
         }
         make_ready(lane, sched, id, *units);
         let counters = lane.ctx.clone();
-        let mut helped = 0;
+        // Steps taken for others (a picked lane may turn out parked: a step, no unit).
+        let mut steps = 0;
         loop {
             if st.stop {
                 self.inner.wake.notify_one();
@@ -487,7 +489,7 @@ impl RenderEngine {
             if st.sched.at_front(id) {
                 break;
             }
-            if helped == HELP_LIMIT {
+            if steps == HELP_LIMIT {
                 self.inner.wake.notify_one();
                 return;
             }
@@ -500,15 +502,18 @@ impl RenderEngine {
             if st.lanes.get(&id).map(|l| l.run) == Some(Run::Ready) {
                 st.sched.ready(id);
             }
-            if done == Step::NoWork {
-                continue;
+            match done {
+                Step::NoWork => continue,
+                Step::Skipped => {}
+                Step::Ran(_) => {
+                    counters
+                        .shared
+                        .engine
+                        .helped_units
+                        .fetch_add(1, Ordering::Relaxed);
+                }
             }
-            helped += 1;
-            counters
-                .shared
-                .engine
-                .helped_units
-                .fetch_add(1, Ordering::Relaxed);
+            steps += 1;
         }
         let (st, _) = step_lane(&self.inner, st, Some(id), Quantum::Unit);
         // The lane may have work left, and the engine thread may have found the ready set
