@@ -202,9 +202,19 @@ pub fn encode_mig_data(data: &[u8]) -> Vec<u8> {
 /// than the buffer it read into (ECONNRESET), so a shorter reply breaks every
 /// libvfio-user-based client on the first short read (protocol-docs/migration.md).
 pub fn encode_mig_data_reply(data: &[u8], asked: u32) -> Vec<u8> {
-    let mut v = encode_mig_data(data);
-    v.resize(v.len().max(MIG_DATA_HEADER_SIZE + asked as usize), 0);
+    let mut v = Vec::new();
+    put_mig_data_reply(&mut v, data, asked);
     v
+}
+
+/// [`encode_mig_data_reply`] appended to `buf` (a reply's buffer: no second copy).
+pub fn put_mig_data_reply(buf: &mut Vec<u8>, data: &[u8], asked: u32) {
+    let len = MIG_DATA_HEADER_SIZE + data.len().max(asked as usize);
+    buf.reserve(len);
+    buf.put_u32((MIG_DATA_HEADER_SIZE + data.len()) as u32);
+    buf.put_u32(data.len() as u32);
+    buf.extend_from_slice(data);
+    buf.resize(buf.len() + (len - MIG_DATA_HEADER_SIZE - data.len()), 0);
 }
 
 /// The data of a MIG_DATA_READ reply: checks that argsz is `8 + size`, that the payload

@@ -27,7 +27,8 @@ use super::ServerError;
 use crate::migration::{Machine, MachineError, MigState, Quiesce};
 use crate::protocol::feature::FeatureRequest;
 use crate::protocol::migration::{
-    encode_mig_data_reply, encode_mig_state_reply, encode_migration_reply, migration_flags, MigData,
+    encode_mig_state_reply, encode_migration_reply, migration_flags, put_mig_data_reply, MigData,
+    MIG_DATA_HEADER_SIZE,
 };
 use crate::protocol::ProtocolError;
 
@@ -114,7 +115,9 @@ impl Connection {
                     .read(size as usize, m)
                     .map_err(ServerError::Migration)?;
                 debug!(asked = size, got = data.len(), "MIG_DATA_READ");
-                Ok(Reply::from_payload(&encode_mig_data_reply(&data, size)))
+                let mut reply = Reply::with_capacity(MIG_DATA_HEADER_SIZE + size as usize);
+                put_mig_data_reply(reply.buf_mut(), &data, size);
+                Ok(reply)
             }
             MigData::Write(data) => {
                 machine.write(data, m).map_err(ServerError::Migration)?;

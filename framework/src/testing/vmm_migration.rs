@@ -16,6 +16,7 @@ use crate::migration::MigState;
 use crate::protocol::feature::{encode_feature, FEATURE_HEADER_SIZE};
 use crate::protocol::migration::{
     decode_mig_data_reply, encode_mig_data, encode_mig_data_read, encode_mig_state_data,
+    MIG_DATA_HEADER_SIZE,
 };
 use crate::protocol::wire::{Put, Reader};
 use crate::protocol::Command;
@@ -117,7 +118,7 @@ impl Vmm {
             return Err(bad(format!("{} bytes for a read of {size}", data.len())));
         }
         // libvfio-user's clients read exactly 8 + size bytes (protocol-docs/migration.md).
-        if m.payload.len() != 8 + size as usize {
+        if m.payload.len() != MIG_DATA_HEADER_SIZE + size as usize {
             return Err(bad(format!(
                 "a reply of {} bytes to a read of {size}: not padded to 8 + {size}",
                 m.payload.len()
