@@ -86,7 +86,9 @@ pub fn run(r: &mut Report) -> Option<()> {
         format!("{} lines: {wrote:?}", console.lines().count()),
     );
     r.ready("fbcon-text");
-    std::thread::sleep(Duration::from_secs(3));
+    // The host takes screenshots until the text has arrived, for at most 4 s
+    // (vmtest/src/display.rs, FBCON_DEADLINE): fbcon's damage reaches the device later.
+    std::thread::sleep(Duration::from_secs(7));
     let stride: usize = stride.parse().unwrap_or(1280 * 4);
     let (w, h) = (1280u32, 800u32);
     let mut fb = vec![0u8; stride * h as usize];

@@ -129,16 +129,51 @@ impl Actions {
         outcome("virtio-gpu.kms_flip_on_host_screenshot", result)
     }
 
+    /// fbcon's text reaches the device asynchronously: the guest's write to `/dev/tty1`
+    /// returns once the glyphs are in the fbdev emulation's shadow buffer, and its damage
+    /// worker copies and flushes them later, possibly in several flushes (a CI run behind
+    /// intel-iommu caught the blocks and one line). So the host takes screenshots until one
+    /// shows the text, for at most [`FBCON_DEADLINE`] (the guest waits longer before it
+    /// draws anything else). A flush the device lost never shows up: the guest writes
+    /// nothing more to the console, so that still fails.
     fn fbcon_text(&self) -> Check {
-        let result = self
-            .screenshot("fbcon.png")
-            .and_then(|shot| shot.shows_text());
+        let start = std::time::Instant::now();
+        let (result, shots) = retry_until(FBCON_DEADLINE, FBCON_POLL, || {
+            self.screenshot("fbcon.png")
+                .and_then(|shot| shot.shows_text())
+        });
+        let waited = format!(
+            "{shots} screenshot(s) in {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+        let result = result
+            .map(|detail| format!("{detail}; {waited}"))
+            .map_err(|e| format!("{e}; {waited}"));
         outcome("virtio-gpu.fbcon_text_on_host_screenshot", result)
     }
 
     fn resize(&self, size: &str) -> Check {
         let result = self.umdev(&["resize", "--size", size]);
         outcome(format!("virtio-gpu-resize.host_resize_{size}"), result)
+    }
+}
+
+/// `attempt` until it succeeds or `deadline` has passed since the first try, `every` apart;
+/// the last result and the number of attempts.
+fn retry_until<T>(
+    deadline: std::time::Duration,
+    every: std::time::Duration,
+    mut attempt: impl FnMut() -> Result<T, String>,
+) -> (Result<T, String>, u32) {
+    let start = std::time::Instant::now();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let result = attempt();
+        if result.is_ok() || start.elapsed() >= deadline {
+            return (result, tries);
+        }
+        std::thread::sleep(every);
     }
 }
 
@@ -299,6 +334,13 @@ impl Rgb {
     }
 }
 
+/// How long the host looks for fbcon's text after the guest's `fbcon-text` cue; the guest
+/// (`guest/src/virtio_gpu.rs`) waits 7 s, longer than this and a last screenshot, before
+/// it writes `/dev/fb0`.
+pub const FBCON_DEADLINE: std::time::Duration = std::time::Duration::from_secs(4);
+/// Between two screenshots while the text is not complete.
+const FBCON_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// The full-block glyphs the guest writes at the top left of its console.
 pub const BLOCKS: u32 = 16;
 /// Text lines (below the blocks) the console must show at least.
@@ -307,6 +349,38 @@ pub const TEXT_LINES: u32 = 3;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn test_retry_until_returns_the_first_success_and_counts_the_attempts() {
+        let mut calls = 0;
+        let (result, tries) = retry_until(Duration::from_secs(5), Duration::ZERO, || {
+            calls += 1;
+            if calls < 3 {
+                Err(format!("partial {calls}"))
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!((result, tries), (Ok(3), 3));
+    }
+
+    #[test]
+    fn test_retry_until_gives_up_after_the_deadline_with_the_last_error() {
+        let mut calls = 0;
+        let start = std::time::Instant::now();
+        let (result, tries) = retry_until(
+            Duration::from_millis(50),
+            Duration::from_millis(10),
+            || -> Result<(), String> {
+                calls += 1;
+                Err(format!("partial {calls}"))
+            },
+        );
+        assert!(start.elapsed() >= Duration::from_millis(50));
+        assert!(tries >= 2, "{tries}");
+        assert_eq!(result, Err(format!("partial {tries}")));
+    }
 
     /// A 320×160 black console; `blocks` solid grey cells at the top left and `lines`
     /// rows of "glyphs" (every other pixel of the first 40 columns lit) below.
